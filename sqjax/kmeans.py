@@ -1,0 +1,192 @@
+"""Spherical k-means with k-means++ seeding, batched over (layer, head), memory-bounded.
+
+Squeezed Attention §3.1: keys are clustered by cosine similarity (K-means on L2-normalised
+keys); each stored centroid is the mean of the *un-normalised* keys of its cluster (what the
+official code does). SAAP §3 uses the same spherical k-means for its key buckets.
+
+The N×C similarity matrix is never materialised whole: points are processed in chunks of
+`chunk` rows, so 128K keys × 6.5K centroids per head fit in a few hundred MB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sqjax._checks import check_float, check_rank
+
+_EPS = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class KMeansConfig:
+    """Static k-means settings.
+
+    n_clusters: number of centroids C (>= 1, <= number of points).
+    max_iters:  Lloyd iteration cap; stops earlier once no label changes.
+    chunk:      points per similarity block (bounds memory to chunk × C floats per head).
+    seed:       PRNG seed for k-means++ (results are deterministic under a seed).
+    """
+
+    n_clusters: int
+    max_iters: int = 25
+    chunk: int = 4096
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n_clusters < 1:
+            raise ValueError(f"n_clusters must be >= 1; got {self.n_clusters}")
+        if self.max_iters < 0:
+            raise ValueError(f"max_iters must be >= 0; got {self.max_iters}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1; got {self.chunk}")
+
+
+class KMeansResult(NamedTuple):
+    centroids: jax.Array       # [..., C, d] mean of the un-normalised points of each cluster (0 if empty)
+    unit_centroids: jax.Array  # [..., C, d] L2-normalised spherical centroids (used for assignment)
+    labels: jax.Array          # [..., N] int32 cluster of each point
+    counts: jax.Array          # [..., C] int32 points per cluster (0 = empty cluster)
+    n_iters: jax.Array         # [...] int32 Lloyd iterations run
+
+
+def normalize(x: jax.Array) -> jax.Array:
+    """Row-wise L2 normalisation in f32 (zero rows stay zero)."""
+    x = x.astype(jnp.float32)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), _EPS)
+
+
+def _pad_rows(x: jax.Array, chunk: int) -> tuple[jax.Array, int]:
+    n = x.shape[0]
+    n_pad = (-n) % chunk
+    return jnp.pad(x, ((0, n_pad), (0, 0))), n_pad
+
+
+def assign(xn: jax.Array, cn: jax.Array, chunk: int) -> jax.Array:
+    """Label of each unit point = argmax_c xn·cn, chunked over points.  xn [N,d], cn [C,d] -> [N]."""
+    n = xn.shape[0]
+    chunk = min(chunk, n)
+    xp, _ = _pad_rows(xn, chunk)
+    blocks = xp.reshape(-1, chunk, xn.shape[-1])
+    labels = jax.lax.map(lambda b: jnp.argmax(b @ cn.T, axis=-1).astype(jnp.int32), blocks)
+    return labels.reshape(-1)[:n]
+
+
+def _kmeans_pp(xn: jax.Array, n_clusters: int, key: jax.Array) -> jax.Array:
+    """k-means++ seeding on unit vectors with D² sampling (D² = 2 − 2·cos).  xn [N,d] -> [C,d]."""
+    n, d = xn.shape
+    k0, key = jax.random.split(key)
+    first = jax.random.randint(k0, (), 0, n)
+    centers = jnp.zeros((n_clusters, d), jnp.float32).at[0].set(xn[first])
+    dist = jnp.maximum(2.0 - 2.0 * (xn @ xn[first]), 0.0)  # [N]
+
+    def body(i, carry):
+        centers, dist, key = carry
+        key, sub = jax.random.split(key)
+        # Points already chosen have D² = 0 and are never drawn again; if every D² is 0
+        # (fewer distinct points than clusters) fall back to a uniform draw.
+        total = jnp.sum(dist)
+        logits = jnp.where(total > 0, jnp.log(jnp.maximum(dist, 1e-30)), 0.0)
+        logits = jnp.where((total > 0) & (dist <= 0), -jnp.inf, logits)
+        idx = jax.random.categorical(sub, logits)
+        c = xn[idx]
+        centers = centers.at[i].set(c)
+        dist = jnp.minimum(dist, jnp.maximum(2.0 - 2.0 * (xn @ c), 0.0))
+        return centers, dist, key
+
+    centers, _, _ = jax.lax.fori_loop(1, n_clusters, body, (centers, dist, key))
+    return centers
+
+
+def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) -> KMeansResult:
+    """One (layer, head): x [N, d] -> KMeansResult with unbatched shapes."""
+    n, d = x.shape
+    c = cfg.n_clusters
+    xn = normalize(x)
+    cn0 = _kmeans_pp(xn, c, key)
+    labels0 = assign(xn, cn0, cfg.chunk)
+
+    def update(labels, cn_prev):
+        sums = jax.ops.segment_sum(xn, labels, num_segments=c)  # [C, d]
+        norms = jnp.linalg.norm(sums, axis=-1, keepdims=True)
+        # An empty cluster keeps its previous centroid (never NaN).
+        return jnp.where(norms > _EPS, sums / jnp.maximum(norms, _EPS), cn_prev)
+
+    def cond(state):
+        _, _, it, changed = state
+        return (it < cfg.max_iters) & changed
+
+    def body(state):
+        cn, labels, it, _ = state
+        cn = update(labels, cn)
+        new_labels = assign(xn, cn, cfg.chunk)
+        return cn, new_labels, it + 1, jnp.any(new_labels != labels)
+
+    cn, labels, n_iters, _ = jax.lax.while_loop(
+        cond, body, (cn0, labels0, jnp.int32(0), jnp.bool_(True))
+    )
+    counts = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), labels, num_segments=c)
+    sums = jax.ops.segment_sum(x.astype(jnp.float32), labels, num_segments=c)
+    means = sums / jnp.maximum(counts, 1)[:, None].astype(jnp.float32)
+    return KMeansResult(means, cn, labels, counts, n_iters)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _spherical_kmeans_jit(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
+    batch_shape = x.shape[:-2]
+    flat = x.reshape((-1,) + x.shape[-2:])
+    keys = jax.random.split(jax.random.key(cfg.seed), flat.shape[0])
+    out = jax.vmap(lambda xi, ki: _spherical_kmeans_single(xi, ki, cfg))(flat, keys)
+    return jax.tree.map(lambda a: a.reshape(batch_shape + a.shape[1:]), out)
+
+
+def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
+    """Spherical k-means over the last two axes of `x` [..., N, d], batched over leading axes.
+
+    Assignment maximises cosine similarity; k-means++ seeding draws with D² = 2 − 2cos.
+    Returns centroids as means of the un-normalised points (Squeezed Attention §3.1).
+    """
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape [..., N, d]; got shape {tuple(x.shape)}")
+    check_float("x", x)
+    n = x.shape[-2]
+    if cfg.n_clusters > n:
+        raise ValueError(
+            f"more centroids than points: n_clusters={cfg.n_clusters} > N={n} (x shape {tuple(x.shape)})"
+        )
+    return _spherical_kmeans_jit(x, cfg)
+
+
+def cluster_level_up(
+    child_centroids: jax.Array, child_counts: jax.Array, cfg: KMeansConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Cluster a level of centroids into a coarser level (hierarchical Squeezed Attention §3.3).
+
+    child_centroids [..., C2, d] (means of un-normalised keys), child_counts [..., C2]
+    -> (parent [..., C2] int32, centroids [..., C1, d] = count-weighted mean of the keys under
+        each parent, counts [..., C1] = keys under each parent).
+    Empty children are clustered too (their rows are zero) but weigh nothing.
+    """
+    check_rank("child_counts", child_counts, child_centroids.ndim - 1, "[..., C2]")
+    res = spherical_kmeans(child_centroids, cfg)
+    parent = res.labels
+    c1 = cfg.n_clusters
+    w = child_counts.astype(jnp.float32)
+
+    def per_head(cent, w_, par):
+        sums = jax.ops.segment_sum(cent * w_[:, None], par, num_segments=c1)
+        cnt = jax.ops.segment_sum(w_, par, num_segments=c1)
+        return sums / jnp.maximum(cnt, 1.0)[:, None], cnt.astype(jnp.int32)
+
+    batch = child_centroids.shape[:-2]
+    f = lambda a, k: a.reshape((-1,) + a.shape[len(batch):])  # noqa: E731
+    cent1, cnt1 = jax.vmap(per_head)(
+        f(child_centroids.astype(jnp.float32), 0), f(w, 0), f(parent, 0)
+    )
+    cent1 = cent1.reshape(batch + cent1.shape[1:])
+    cnt1 = cnt1.reshape(batch + cnt1.shape[1:])
+    return parent, cent1, cnt1

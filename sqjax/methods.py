@@ -1,0 +1,408 @@
+"""The attention methods as frozen configs with two operations.
+
+    index, info = method.build(data)                       # offline, once per document
+    selection   = method.select(index, layer, q, q_pre)    # traced, per query block / token
+
+`data` is a `ContextData` (the document's roped K/V, the last fixed-context queries, de-roped
+keys). `select` returns which fixed-context keys each head attends (`selection.Selection`);
+attention itself is exact over those keys plus the user input (`attention.py`).
+
+Budgets: `Squeezed` is set by its sparsity (fraction of clustered keys pruned on the
+calibration queries); QUEST, SnapKV, StreamingLLM and the oracle by `budget`, the fraction of
+the fixed context's tokens attended (rounded up to whole pages for QUEST); SAAP by its number
+of probes ℓ (selectivity follows from the bucket sizes). `expected_budget(L)` gives each
+method's nominal KV budget at context length L; `budget.account` measures the real one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from sqjax import baselines, quest, saap, snapkv, squeezed
+from sqjax._checks import check_fraction, check_rank
+from sqjax.selection import Selection, dense_selection, from_mask
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContextData:
+    """A prefilled fixed context: what every method's index is built from."""
+
+    k: jax.Array          # [layers, Hkv, L, d] roped keys
+    v: jax.Array          # [layers, Hkv, L, d]
+    q_obs: jax.Array      # [layers, Hq, n, d] roped queries of the last n fixed-context tokens
+    k_pre: jax.Array | None = None  # [layers, Hkv, L, d] de-roped keys (SAAP)
+    scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+
+    def __post_init__(self):
+        check_rank("k", self.k, 4, "[layers, Hkv, L, d]")
+        check_rank("q_obs", self.q_obs, 4, "[layers, Hq, n, d]")
+        if tuple(self.v.shape) != tuple(self.k.shape):
+            raise ValueError(f"v shape {tuple(self.v.shape)} must equal k shape {tuple(self.k.shape)}")
+        if self.k_pre is not None and tuple(self.k_pre.shape) != tuple(self.k.shape):
+            raise ValueError(f"k_pre shape {tuple(self.k_pre.shape)} must equal k shape {tuple(self.k.shape)}")
+
+    @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """Base: subclasses set `name`, implement `build` and `_select`."""
+
+    name: ClassVar[str] = "method"
+    dense_layers: int = 0
+
+    def __post_init__(self):
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0; got {self.dense_layers}")
+
+    def build(self, data: ContextData):
+        return None, {}
+
+    def select(self, index, layer: int, q: jax.Array, q_pre: jax.Array | None, k_fixed: jax.Array) -> Selection:
+        """Keys to attend for queries q [Hq, T, d] at `layer` over k_fixed [Hkv, L, d].
+
+        The first `dense_layers` layers are dense. q_pre: de-roped queries (SAAP only).
+        """
+        if layer < self.dense_layers:
+            return dense_selection(self.selection_heads(q.shape[0], k_fixed.shape[0]), k_fixed.shape[1])
+        return self._select(index, layer, q, q_pre, k_fixed)
+
+    def selection_heads(self, n_q_heads: int, n_kv_heads: int) -> int:
+        """Hs: one key set per KV head unless the method selects per query head (vote="q")."""
+        return n_q_heads if getattr(self, "vote", "kv") == "q" else n_kv_heads
+
+    def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
+        return dense_selection(self.selection_heads(q.shape[0], k_fixed.shape[0]), k_fixed.shape[1])
+
+    def expected_budget(self, length: int) -> float:
+        return 1.0
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(Method):
+    """Exact attention over the whole fixed context."""
+
+    name: ClassVar[str] = "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class Squeezed(Method):
+    """Squeezed Attention, one level of centroids (see `squeezed.py`)."""
+
+    name: ClassVar[str] = "squeezed"
+    sparsity: float = 0.9
+    centroid_fraction: float = 0.05
+    n_centroids: int | None = None
+    n_obs: int = 100
+    vote: str = "kv"
+    capacity_fraction: float | None = None
+    kmeans_iters: int = 25
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.config  # validate
+
+    @property
+    def config(self) -> squeezed.SqueezedConfig:
+        return squeezed.SqueezedConfig(
+            sparsity=self.sparsity, centroid_fraction=self.centroid_fraction, n_centroids=self.n_centroids,
+            n_obs=self.n_obs, vote=self.vote, capacity_fraction=self.capacity_fraction,
+            kmeans_iters=self.kmeans_iters, seed=self.seed, **self._hier_kwargs(),
+        )
+
+    def _hier_kwargs(self) -> dict:
+        return {}
+
+    def build(self, data: ContextData):
+        return squeezed.build_squeezed_index(data.k, data.q_obs, self.config, data.scale)
+
+    def _select(self, index: squeezed.SqueezedIndex, layer, q, q_pre, k_fixed) -> Selection:
+        length = k_fixed.shape[1]
+        ret, touched = squeezed.lookup(
+            index.layer(layer), q, index.threshold, index.threshold1,
+            scale=1.0 / math.sqrt(q.shape[-1]), vote=self.vote, n_tail=index.n_tail, capacity=index.capacity,
+        )
+        mask = squeezed.retrieval_mask(ret, length)[:, None, :]
+        return Selection(mask, ret.count[:, None], touched[:, None].astype(jnp.float32), ret.overflow, ret)
+
+    def expected_budget(self, length: int) -> float:
+        lc = length - self.n_obs
+        c2 = self.config.n_clusters(lc)[0]
+        return ((1 - self.sparsity) * lc + self.n_obs + c2 / 2) / length
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.sparsity:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalSqueezed(Squeezed):
+    """Squeezed Attention with a level-1 clustering of the centroids (Eq. 2–3)."""
+
+    name: ClassVar[str] = "hsqueezed"
+    level1_fraction: float = 0.01
+    level1_prune: float = 0.5
+
+    def _hier_kwargs(self) -> dict:
+        return dict(hierarchical=True, level1_fraction=self.level1_fraction, level1_prune=self.level1_prune)
+
+    def expected_budget(self, length: int) -> float:
+        lc = length - self.n_obs
+        c2, c1 = self.config.n_clusters(lc)
+        return ((1 - self.sparsity) * lc + self.n_obs + (c1 + (1 - self.level1_prune) * c2) / 2) / length
+
+
+def _budget_tokens(budget: float, length: int, multiple: int = 1) -> int:
+    n = math.ceil(budget * length / multiple) * multiple
+    return max(multiple, min(n, -(-length // multiple) * multiple))
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(Method):
+    """QUEST: top-K pages by the min/max upper bound, per token (see `quest.py`)."""
+
+    name: ClassVar[str] = "quest"
+    budget: float = 0.1
+    page: int = 16
+    vote: str = "kv"
+    dense_layers: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_fraction("budget", self.budget, inclusive_high=True)
+
+    def build(self, data: ContextData):
+        kmin, kmax = jax.vmap(lambda k: quest.page_bounds(k, self.page))(data.k)
+        return {"kmin": kmin, "kmax": kmax}, {}
+
+    def n_pages(self, length: int) -> int:
+        return _budget_tokens(self.budget, length, self.page) // self.page
+
+    def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
+        length = k_fixed.shape[1]
+        kmin, kmax = index["kmin"][layer], index["kmax"][layer]
+        scores = quest.page_scores(q, kmin, kmax, self.vote)  # [Hs, T, P]
+        pages = quest.select_pages(scores, self.n_pages(length), forced_page=scores.shape[-1] - 1)
+        mask = quest.pages_to_keys(pages, length, self.page)
+        return from_mask(mask, meta_rows=2.0 * kmin.shape[1])
+
+    def expected_budget(self, length: int) -> float:
+        n_pages = -(-length // self.page)
+        return (min(self.n_pages(length) * self.page, length) + n_pages) / length
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.budget:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Method):
+    """SnapKV: observation-window voting at indexing time, a compressed static cache."""
+
+    name: ClassVar[str] = "snapkv"
+    budget: float = 0.1
+    window: int = 32
+    kernel: int = 7
+    pool: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_fraction("budget", self.budget, inclusive_high=True)
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1; got {self.window}")
+        if self.pool not in snapkv.POOLS:
+            raise ValueError(f"pool must be one of {snapkv.POOLS}; got {self.pool!r}")
+
+    def capacity(self, length: int) -> int:
+        return max(self.window, min(length, round(self.budget * length)))
+
+    def build(self, data: ContextData):
+        if data.q_obs.shape[2] < self.window:
+            raise ValueError(f"SnapKV needs the last {self.window} queries; got {data.q_obs.shape[2]}")
+        cap = self.capacity(data.length)
+        keep = jnp.stack([
+            snapkv.snapkv_keep(data.q_obs[i, :, -self.window:], data.k[i], cap, data.scale, self.kernel, self.pool)
+            for i in range(data.n_layers)
+        ])
+        return {"keep": keep}, {"capacity": cap}
+
+    def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
+        length = k_fixed.shape[1]
+        return from_mask(index["keep"][layer][:, None, :])
+
+    def expected_budget(self, length: int) -> float:
+        return self.capacity(length) / length
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.budget:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(Method):
+    """Attention sink + recent window of the fixed context."""
+
+    name: ClassVar[str] = "streaming"
+    budget: float = 0.1
+    n_sink: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_fraction("budget", self.budget, inclusive_high=True)
+
+    def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
+        length = k_fixed.shape[1]
+        n_recent = max(0, _budget_tokens(self.budget, length) - self.n_sink)
+        mask = baselines.streaming_mask(length, self.n_sink, n_recent)
+        return from_mask(jnp.broadcast_to(mask, (k_fixed.shape[0], 1, length)))
+
+    def expected_budget(self, length: int) -> float:
+        return min(length, _budget_tokens(self.budget, length)) / length
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.budget:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle(Method):
+    """True top-k keys by attention weight at the same budget, per token (App. H upper bound)."""
+
+    name: ClassVar[str] = "oracle"
+    budget: float = 0.1
+    n_tail: int = 100
+    vote: str = "kv"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_fraction("budget", self.budget, inclusive_high=True)
+
+    def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
+        length = k_fixed.shape[1]
+        n_tail = min(self.n_tail, length)
+        n_keep = max(0, _budget_tokens(self.budget, length) - n_tail)
+        mask = baselines.oracle_topk_mask(q, k_fixed, 1.0 / math.sqrt(q.shape[-1]), n_keep, n_tail, self.vote)
+        return from_mask(mask)
+
+    def expected_budget(self, length: int) -> float:
+        return min(length, _budget_tokens(self.budget, length)) / length
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.budget:g}"
+
+
+def saap_defaults(length: int) -> tuple[int, int]:
+    """(buckets C, recent tokens) scaled with the context (SAAP App. E.2: 1+63 ≈ 1+2047 quality)."""
+    if length >= 65536:
+        return 1024, 2047
+    if length >= 16384:
+        return max(256, length // 64), 511
+    return max(16, length // 64), 63
+
+
+@dataclasses.dataclass(frozen=True)
+class Saap(Method):
+    """SAAP: de-roped k-means buckets, top-ℓ buckets per query + the dense part.
+
+    `classifier`: None = nearest-centroid assignment (SAAP's k-means ablation); a path to a
+    trained query classifier (train_qclassifier) = the full method. `n_buckets`/`n_recent`
+    None = scaled with the context length (`saap_defaults`).
+    """
+
+    name: ClassVar[str] = "saap"
+    probes: int = 32
+    n_buckets: int | None = None
+    n_sink: int = 1
+    n_recent: int | None = None
+    dense_layers: int = 1
+    classifier: str | None = None
+    kmeans_iters: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.probes < 1:
+            raise ValueError(f"probes must be >= 1; got {self.probes}")
+
+    def sizes(self, length: int) -> tuple[int, int]:
+        c, r = saap_defaults(length)
+        return self.n_buckets or c, r if self.n_recent is None else self.n_recent
+
+    def build(self, data: ContextData):
+        from sqjax.kmeans import KMeansConfig, spherical_kmeans
+
+        if data.k_pre is None:
+            raise ValueError("SAAP needs de-roped keys (ContextData.k_pre)")
+        c, n_recent = self.sizes(data.length)
+        assigner = None
+        if self.classifier is not None:
+            from train_qclassifier.classifier import load_classifier
+
+            assigner = load_classifier(self.classifier)
+            unit = assigner.unit_centroids  # [layers, Hkv, C, d] trained offline
+            c = unit.shape[2]
+        else:
+            km = [spherical_kmeans(data.k_pre[i], KMeansConfig(c, self.kmeans_iters, seed=self.seed + i))
+                  for i in range(data.n_layers)]
+            unit = jnp.stack([r.unit_centroids for r in km])
+        labels = jnp.stack([saap.assign_keys(data.k_pre[i], unit[i]) for i in range(data.n_layers)])
+        off, lst = jax.vmap(lambda lab: saap.inverted_lists(lab, c))(labels)
+        index = {"unit": unit, "labels": labels, "off": off, "lst": lst}
+        if assigner is not None:
+            index["classifier"] = assigner.params
+        return index, {"n_buckets": c, "n_recent": n_recent}
+
+    def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
+        length = k_fixed.shape[1]
+        if q_pre is None:
+            raise ValueError("SAAP needs de-roped queries")
+        c, n_recent = self.sizes(length)
+        unit = index["unit"][layer]
+        if "classifier" in index:
+            from train_qclassifier.classifier import bucket_distribution
+
+            scores = bucket_distribution(jax.tree.map(lambda a: a[layer], index["classifier"]), q_pre)
+            meta = sum(x.size for x in jax.tree.leaves(index["classifier"])) / index["unit"].shape[0] / q.shape[-1]
+        else:
+            scores = saap.nearest_centroid_scores(q_pre, unit)
+            meta = float(unit.shape[-2])  # C key-sized centroid rows per KV head
+        visited = saap.visited_buckets(scores, self.probes)
+        mask = saap.saap_mask(visited, index["labels"][layer], saap.dense_part(length, self.n_sink, n_recent))
+        return from_mask(mask, meta_rows=meta)
+
+    def expected_budget(self, length: int) -> float:
+        c, n_recent = self.sizes(length)
+        return min(1.0, (self.n_sink + n_recent + self.probes * length / c) / length)
+
+    @property
+    def label(self) -> str:
+        kind = "clf" if self.classifier else "nc"
+        return f"{self.name}-{kind}@{self.probes}"
+
+
+METHODS = {m.name: m for m in (Full, Squeezed, HierarchicalSqueezed, Quest, SnapKV, StreamingLLM, Oracle, Saap)}
+
+
+def method_from_name(name: str, **kwargs) -> Method:
+    """Build a method config by its CLI name (`squeezed`, `hsqueezed`, `quest`, ...)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
+    return METHODS[name](**kwargs)

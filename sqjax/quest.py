@@ -1,0 +1,71 @@
+"""QUEST (Tang et al. 2024, §3.4, Alg. 1): query-aware page selection.
+
+Keys are split into pages of `page` consecutive tokens; each page keeps the per-channel
+minimum m and maximum M of its keys. A query scores a page with the upper bound
+
+    U(q, page) = Σ_d max(q_d · M_d, q_d · m_d)  ≥  max_{k ∈ page} q·k,
+
+and attends exactly to the top-K pages (K = token budget / page). GQA (our choice, stated in
+the README): pages are chosen per KV head with the group's bound max-aggregated over its g
+query heads, so one page set is read per KV head (vote="kv"); vote="q" chooses per query head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sqjax._checks import check_gqa, check_rank, check_same
+from sqjax.selection import topk_mask
+
+
+def page_bounds(k: jax.Array, page: int = 16) -> tuple[jax.Array, jax.Array]:
+    """Per-page channel min/max.  k [Hkv, L, d] -> (kmin, kmax) [Hkv, P, d], P = ceil(L / page).
+
+    A ragged last page is bounded by its own keys only.
+    """
+    check_rank("k", k, 3, "[Hkv, L, d]")
+    if page < 1:
+        raise ValueError(f"page must be >= 1; got {page}")
+    hkv, length, d = k.shape
+    n_pages = -(-length // page)
+    pad = n_pages * page - length
+    kf = k.astype(jnp.float32)
+    valid = jnp.arange(n_pages * page) < length
+    kp = jnp.pad(kf, ((0, 0), (0, pad), (0, 0))).reshape(hkv, n_pages, page, d)
+    vp = valid.reshape(n_pages, page)[None, :, :, None]
+    kmin = jnp.min(jnp.where(vp, kp, jnp.inf), axis=2)
+    kmax = jnp.max(jnp.where(vp, kp, -jnp.inf), axis=2)
+    return kmin, kmax
+
+
+def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, vote: str = "kv") -> jax.Array:
+    """Upper bound U per (selection head, token, page).  q [Hq, T, d] -> [Hs, T, P] f32."""
+    check_rank("q", q, 3, "[Hq, T, d]")
+    check_rank("kmin", kmin, 3, "[Hkv, P, d]")
+    check_same("head dim", [("q", q.shape[-1]), ("kmin", kmin.shape[-1])])
+    hq, t, d = q.shape
+    hkv = kmin.shape[0]
+    g = check_gqa(hq, hkv)
+    qg = q.astype(jnp.float32).reshape(hkv, g, t, 1, d)
+    u = jnp.sum(jnp.maximum(qg * kmax[:, None, None], qg * kmin[:, None, None]), axis=-1)  # [Hkv,g,T,P]
+    if vote == "kv":
+        return jnp.max(u, axis=1)
+    if vote == "q":
+        return u.reshape(hq, t, -1)
+    raise ValueError(f"vote must be 'kv' or 'q'; got {vote!r}")
+
+
+def select_pages(scores: jax.Array, n_pages: int, forced_page: int | None) -> jax.Array:
+    """Top-`n_pages` pages per row, `forced_page` always included.  scores [..., P] -> bool [..., P]."""
+    total = scores.shape[-1]
+    n_pages = max(0, min(n_pages, total))
+    s = scores
+    if forced_page is not None:
+        s = s.at[..., forced_page].set(jnp.inf)
+    return topk_mask(s, n_pages)
+
+
+def pages_to_keys(page_mask: jax.Array, length: int, page: int = 16) -> jax.Array:
+    """Expand a page mask [..., P] to a key mask [..., L]."""
+    return jnp.repeat(page_mask, page, axis=-1)[..., :length]

@@ -1,0 +1,430 @@
+"""Squeezed Attention (Hooper et al. 2024, §3 and App. C/D/I): clustered keys, centroid lookup.
+
+Per layer and KV head, the fixed context's keys (all but the exact tail of `n_tail` tokens) are
+clustered with spherical k-means; a query retrieves the clusters whose score
+
+    Eq. 1   S_i = exp(s·q·C_i) / Σ_j N_j · exp(s·q·C_j)
+
+exceeds a global threshold T (calibrated once over all layers × heads, see `calibration.py`).
+A block of query tokens (prefill) averages S_i over its tokens and retrieves one set per head;
+decode retrieves per token. GQA: by default the g query heads of a group vote (mean of their
+S_i), so one key set is read per KV head (vote="kv"); vote="q" selects per query head.
+
+Hierarchical (§3.3, Eq. 2–3): level-1 centroids cluster the level-2 centroids; level-1
+clusters with S < T1 are dropped, the survivors' level-2 children are scored with a
+denominator that sums over the surviving level-2 clusters only, and S > T2 is retrieved.
+
+Retrieved sets leave as `Retrieval`: int32 key positions with a static capacity plus per-head
+counts (the exact tail first), the form the sparse-attention kernels read.
+
+Overflow policy (never silent): when the selected clusters hold more keys than the capacity,
+whole clusters are kept in descending score order until the next one would not fit, and
+`overflow` is set for that head; `FixedContext` reports it in every answer's stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sqjax._checks import check_gqa, check_rank, check_same
+
+VOTES = ("kv", "q")
+
+
+def _check_vote(vote: str) -> None:
+    if vote not in VOTES:
+        raise ValueError(f"vote must be one of {VOTES}; got {vote!r}")
+
+
+def selection_heads(n_q_heads: int, n_kv_heads: int, vote: str) -> int:
+    """Hs: KV heads when the group votes, query heads otherwise."""
+    _check_vote(vote)
+    return n_kv_heads if vote == "kv" else n_q_heads
+
+
+def per_selection_head(x: jax.Array, n_sel_heads: int) -> jax.Array:
+    """Repeat a per-KV-head array [Hkv, ...] to [Hs, ...] (identity when Hs == Hkv)."""
+    return x if x.shape[0] == n_sel_heads else jnp.repeat(x, n_sel_heads // x.shape[0], axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores
+# ---------------------------------------------------------------------------------------------
+
+def _normalised_scores(logits: jax.Array, weights: jax.Array, live: jax.Array) -> jax.Array:
+    """S = exp(x_i − m) / Σ_j N_j exp(x_j − m) over clusters that are `live` (last axis).
+
+    logits/weights/live broadcast to [..., C]; dead clusters score exactly 0; no NaN when
+    nothing is live.
+    """
+    x = jnp.where(live, logits, -jnp.inf)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(live, jnp.exp(x - m), 0.0)
+    den = jnp.sum(weights * e, axis=-1, keepdims=True)
+    return jnp.where(den > 0, e / jnp.maximum(den, 1e-30), 0.0)
+
+
+def _group_logits(q: jax.Array, centroids: jax.Array, scale: float) -> jax.Array:
+    """s·q·C for every (query head, token, centroid): [Hkv, g, T, C] f32."""
+    hq, t, d = q.shape
+    hkv = centroids.shape[0]
+    g = hq // hkv
+    qg = q.astype(jnp.float32).reshape(hkv, g, t, d)
+    return jnp.einsum("kgtd,kcd->kgtc", qg, centroids.astype(jnp.float32)) * scale
+
+
+def _vote(s_kgc: jax.Array, vote: str) -> jax.Array:
+    """[Hkv, g, C] per-query-head scores -> [Hs, C]."""
+    if vote == "kv":
+        return jnp.mean(s_kgc, axis=1)
+    return s_kgc.reshape(-1, s_kgc.shape[-1])
+
+
+def _check_lookup_inputs(q, centroids, counts):
+    check_rank("q", q, 3, "[Hq, T, d]")
+    check_rank("centroids", centroids, 3, "[Hkv, C, d]")
+    check_rank("counts", counts, 2, "[Hkv, C]")
+    check_same("head dim", [("q", q.shape[-1]), ("centroids", centroids.shape[-1])])
+    check_same("KV heads", [("centroids", centroids.shape[0]), ("counts", counts.shape[0])])
+    check_same("clusters", [("centroids", centroids.shape[1]), ("counts", counts.shape[1])])
+    check_gqa(q.shape[0], centroids.shape[0])
+
+
+def cluster_scores(
+    q: jax.Array,          # [Hq, T, d] roped queries (T = 1 for decode)
+    centroids: jax.Array,  # [Hkv, C, d]
+    counts: jax.Array,     # [Hkv, C] keys per cluster (0 = empty: never scores)
+    scale: float,
+    vote: str = "kv",
+) -> jax.Array:
+    """Eq. 1 averaged over the T query tokens (and over the group when vote="kv").  -> [Hs, C] f32."""
+    _check_lookup_inputs(q, centroids, counts)
+    _check_vote(vote)
+    logits = _group_logits(q, centroids, scale)  # [Hkv, g, T, C]
+    w = counts.astype(jnp.float32)[:, None, None, :]
+    s = _normalised_scores(logits, w, (counts > 0)[:, None, None, :])
+    return _vote(jnp.mean(s, axis=2), vote)
+
+
+class HierarchicalScores(NamedTuple):
+    scores: jax.Array     # [Hs, C2] Eq. 3 scores (0 for clusters whose parent was dropped)
+    level1: jax.Array     # [Hs, C1] Eq. 2 scores
+    survivors: jax.Array  # [Hs, C2] bool: level-2 clusters whose parent survived (candidates)
+    n_touched: jax.Array  # [Hs] int32 centroids read: C1 + candidates
+
+
+def hierarchical_scores(
+    q: jax.Array,           # [Hq, T, d]
+    centroids1: jax.Array,  # [Hkv, C1, d]
+    counts1: jax.Array,     # [Hkv, C1] keys under each level-1 cluster
+    centroids2: jax.Array,  # [Hkv, C2, d]
+    counts2: jax.Array,     # [Hkv, C2]
+    parent: jax.Array,      # [Hkv, C2] int32 level-1 parent of each level-2 cluster
+    threshold1: jax.Array | float,
+    scale: float,
+    vote: str = "kv",
+) -> HierarchicalScores:
+    """Eq. 2 on level 1, drop S1 < T1, then Eq. 3 over the surviving level-2 clusters."""
+    _check_lookup_inputs(q, centroids2, counts2)
+    check_rank("parent", parent, 2, "[Hkv, C2]")
+    check_same("level-2 clusters", [("centroids2", centroids2.shape[1]), ("parent", parent.shape[1])])
+    hq, hkv = q.shape[0], centroids2.shape[0]
+    g = hq // hkv
+    s1 = cluster_scores(q, centroids1, counts1, scale, vote)  # [Hs, C1]
+    hs = s1.shape[0]
+    keep1 = (s1 >= threshold1) & per_selection_head(counts1 > 0, hs)
+    cand = jnp.take_along_axis(keep1, per_selection_head(parent, hs), axis=-1)  # [Hs, C2]
+    cand = cand & per_selection_head(counts2 > 0, hs)
+    # Candidates per query head (a voted set is shared by the group's g heads).
+    cand_q = cand.reshape(hkv, -1, cand.shape[-1])
+    cand_q = jnp.broadcast_to(cand_q, (hkv, g, cand.shape[-1])) if vote == "kv" else cand_q
+    logits = _group_logits(q, centroids2, scale)  # [Hkv, g, T, C2]
+    w = counts2.astype(jnp.float32)[:, None, None, :]
+    s2 = _normalised_scores(logits, w, cand_q[:, :, None, :])
+    s2 = _vote(jnp.mean(s2, axis=2), vote)
+    n_touched = centroids1.shape[1] + jnp.sum(cand, axis=-1).astype(jnp.int32)
+    return HierarchicalScores(s2, s1, cand, n_touched)
+
+
+# ---------------------------------------------------------------------------------------------
+# Retrieved key positions with a static capacity
+# ---------------------------------------------------------------------------------------------
+
+class Retrieval(NamedTuple):
+    idx: jax.Array       # [Hs, cap] int32 fixed-context positions; exact tail first; past count: 0
+    count: jax.Array     # [Hs] int32 valid entries of idx (tail included)
+    overflow: jax.Array  # [Hs] bool: selected clusters did not all fit in the capacity
+
+
+def cluster_layout(labels: jax.Array, n_clusters: int) -> tuple[jax.Array, jax.Array]:
+    """Positions grouped by cluster (stable) and CSR offsets.  labels [..., N] -> perm [..., N], offsets [..., C+1]."""
+    perm = jnp.argsort(labels, axis=-1, stable=True).astype(jnp.int32)
+    counts = jax.vmap(lambda l: jnp.bincount(l, length=n_clusters))(labels.reshape(-1, labels.shape[-1]))
+    counts = counts.reshape(labels.shape[:-1] + (n_clusters,))
+    offsets = jnp.concatenate(
+        [jnp.zeros(counts.shape[:-1] + (1,), jnp.int32), jnp.cumsum(counts, axis=-1).astype(jnp.int32)], axis=-1
+    )
+    return perm, offsets
+
+
+def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_clustered: int, capacity: int):
+    """One selection head.  selected/scores/counts [C], perm [Lc], offsets [C+1]."""
+    budget = capacity - n_tail
+    key = jnp.where(selected, scores, -jnp.inf)
+    order = jnp.argsort(-key, stable=True)
+    sel_sorted = selected[order]
+    n_sorted = jnp.where(sel_sorted, counts[order], 0).astype(jnp.int32)
+    cum = jnp.cumsum(n_sorted)
+    keep = sel_sorted & (cum <= budget)
+    overflow = jnp.any(sel_sorted & ~keep)
+    n_keep = jnp.where(keep, n_sorted, 0)
+    cum_keep = jnp.cumsum(n_keep)
+    total = cum_keep[-1] if n_keep.shape[0] else jnp.int32(0)
+    slots = jnp.arange(budget, dtype=jnp.int32)
+    r = jnp.searchsorted(cum_keep, slots, side="right")
+    r = jnp.minimum(r, order.shape[0] - 1)
+    c = order[r]
+    start = cum_keep[r] - n_keep[r]
+    src = offsets[c] + (slots - start)
+    pos = perm[jnp.clip(src, 0, max(n_clustered - 1, 0))]
+    pos = jnp.where(slots < total, pos, 0)
+    tail = jnp.arange(n_tail, dtype=jnp.int32) + n_clustered
+    return jnp.concatenate([tail, pos.astype(jnp.int32)]), (n_tail + total).astype(jnp.int32), overflow
+
+
+def retrieve(
+    selected: jax.Array,  # [Hs, C] bool
+    scores: jax.Array,    # [Hs, C] f32 (orders clusters when the capacity overflows)
+    counts: jax.Array,    # [Hkv, C]
+    perm: jax.Array,      # [Hkv, Lc] clustered positions grouped by cluster
+    offsets: jax.Array,   # [Hkv, C+1]
+    n_tail: int,
+    capacity: int,
+) -> Retrieval:
+    """Expand selected clusters to key positions (static capacity, exact tail first)."""
+    hs = selected.shape[0]
+    n_clustered = perm.shape[-1]
+    if capacity < n_tail:
+        raise ValueError(f"capacity ({capacity}) must hold at least the exact tail ({n_tail})")
+    capacity = min(capacity, n_tail + n_clustered)
+    f = lambda s, sc, cn, p, o: _retrieve_one(s, sc, cn, p, o, n_tail, n_clustered, capacity)  # noqa: E731
+    idx, count, overflow = jax.vmap(f)(
+        selected, scores,
+        per_selection_head(counts, hs), per_selection_head(perm, hs), per_selection_head(offsets, hs),
+    )
+    return Retrieval(idx, count, overflow)
+
+
+def retrieval_mask(ret: Retrieval, n_fixed: int) -> jax.Array:
+    """Boolean mask [Hs, L] of the retrieved positions."""
+    valid = jnp.arange(ret.idx.shape[-1])[None, :] < ret.count[:, None]
+    f = lambda i, v: jnp.zeros((n_fixed,), bool).at[i].max(v)  # noqa: E731
+    return jax.vmap(f)(ret.idx, valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Index (per layer, stacked over layers)
+# ---------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SqueezedLayerIndex:
+    """Clusters of one layer's fixed-context keys (arrays may carry a leading layer axis)."""
+
+    centroids: jax.Array   # [Hkv, C, d] means of the un-normalised keys
+    counts: jax.Array      # [Hkv, C] int32
+    labels: jax.Array      # [Hkv, Lc] int32 cluster of each clustered key
+    perm: jax.Array        # [Hkv, Lc] int32 positions grouped by cluster
+    offsets: jax.Array     # [Hkv, C+1] int32 CSR offsets into perm
+    centroids1: jax.Array  # [Hkv, C1, d] level-1 centroids (C1 = 0 for one level)
+    counts1: jax.Array     # [Hkv, C1] int32 keys under each level-1 cluster
+    parent: jax.Array      # [Hkv, C] int32 level-1 parent of each level-2 cluster
+
+
+def layer_scores(index: SqueezedLayerIndex, q: jax.Array, threshold1, scale: float, vote: str):
+    """Final cluster scores [Hs, C] and centroids read [Hs] for one layer (1- or 2-level)."""
+    hs = selection_heads(q.shape[0], index.centroids.shape[0], vote)
+    if index.centroids1.shape[-2] == 0:
+        s = cluster_scores(q, index.centroids, index.counts, scale, vote)
+        touched = jnp.full((hs,), index.centroids.shape[1], jnp.int32)
+        return s, touched
+    h = hierarchical_scores(
+        q, index.centroids1, index.counts1, index.centroids, index.counts, index.parent,
+        threshold1, scale, vote,
+    )
+    return h.scores, h.n_touched
+
+
+def lookup(
+    index: SqueezedLayerIndex,
+    q: jax.Array,  # [Hq, T, d]
+    threshold,
+    threshold1,
+    *,
+    scale: float,
+    vote: str,
+    n_tail: int,
+    capacity: int,
+) -> tuple[Retrieval, jax.Array]:
+    """Squeezed lookup for one layer: -> (Retrieval, centroids read [Hs])."""
+    s, touched = layer_scores(index, q, threshold1, scale, vote)
+    hs = s.shape[0]
+    selected = (s > threshold) & per_selection_head(index.counts > 0, hs)
+    ret = retrieve(selected, s, index.counts, index.perm, index.offsets, n_tail, capacity)
+    return ret, touched
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: clustering + global calibration for a whole fixed context
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SqueezedConfig:
+    """Squeezed Attention settings (paper defaults).
+
+    sparsity:          fraction of clustered keys pruned on the calibration queries (0, 1).
+    centroid_fraction: level-2 centroids per clustered key (0.05 → one per 20 keys), or
+    n_centroids:       an explicit count (overrides the fraction).
+    n_obs:             exact tail: last fixed-context tokens never clustered, always attended,
+                       and whose queries calibrate the threshold (App. C).
+    hierarchical:      add a level-1 clustering of the centroids (§3.3, Eq. 2–3).
+    level1_fraction:   level-1 centroids per clustered key (0.01).
+    level1_prune:      fraction of keys the level-1 threshold rules out on calibration (~0.5).
+    vote:              "kv" (group votes, one set per KV head) or "q" (per query head).
+    capacity_fraction: static retrieval capacity as a fraction of clustered keys; None = from
+                       calibration (1.5 × the largest per-head fraction seen, + 5 points).
+    """
+
+    sparsity: float = 0.9
+    centroid_fraction: float = 0.05
+    n_centroids: int | None = None
+    n_obs: int = 100
+    hierarchical: bool = False
+    level1_fraction: float = 0.01
+    level1_prune: float = 0.5
+    vote: str = "kv"
+    capacity_fraction: float | None = None
+    kmeans_iters: int = 25
+    seed: int = 0
+
+    def __post_init__(self):
+        from sqjax._checks import check_fraction
+
+        check_fraction("sparsity", self.sparsity)
+        check_fraction("centroid_fraction", self.centroid_fraction)
+        check_fraction("level1_fraction", self.level1_fraction)
+        check_fraction("level1_prune", self.level1_prune)
+        if self.level1_fraction >= self.centroid_fraction:
+            raise ValueError(
+                f"level1_fraction ({self.level1_fraction}) must be below centroid_fraction ({self.centroid_fraction})"
+            )
+        if self.n_centroids is not None and self.n_centroids < 1:
+            raise ValueError(f"n_centroids must be >= 1; got {self.n_centroids}")
+        if self.n_obs < 1:
+            raise ValueError(f"n_obs must be >= 1; got {self.n_obs}")
+        _check_vote(self.vote)
+        if self.capacity_fraction is not None:
+            check_fraction("capacity_fraction", self.capacity_fraction, inclusive_high=True)
+
+    def n_clusters(self, n_clustered: int) -> tuple[int, int]:
+        """(C2, C1) for `n_clustered` keys; C1 = 0 without hierarchy."""
+        c2 = self.n_centroids if self.n_centroids is not None else max(1, round(self.centroid_fraction * n_clustered))
+        if c2 > n_clustered:
+            raise ValueError(
+                f"more centroids than keys: {c2} centroids for {n_clustered} clustered keys "
+                f"(fixed context minus the {self.n_obs}-token exact tail)"
+            )
+        c1 = max(1, round(self.level1_fraction * n_clustered)) if self.hierarchical else 0
+        if self.hierarchical and c1 >= c2:
+            raise ValueError(f"level-1 clusters ({c1}) must be fewer than level-2 clusters ({c2})")
+        return c2, c1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SqueezedIndex:
+    """The whole fixed context's clusters (leading layer axis) and the global thresholds."""
+
+    layers: SqueezedLayerIndex  # arrays [Lyr, Hkv, ...]
+    threshold: jax.Array        # f32 scalar T (T2 when hierarchical)
+    threshold1: jax.Array       # f32 scalar T1 (0 for one level: every level-1 cluster survives)
+    n_tail: int = dataclasses.field(metadata=dict(static=True))
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+
+    def layer(self, i: int) -> SqueezedLayerIndex:
+        return jax.tree.map(lambda a: a[i], self.layers)
+
+
+def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerIndex:
+    """Cluster every layer's clustered keys.  k [Lyr, Hkv, L, d] (roped) -> stacked layer index."""
+    from sqjax.kmeans import KMeansConfig, cluster_level_up, spherical_kmeans
+
+    check_rank("k", k, 4, "[layers, Hkv, L, d]")
+    n_layers, hkv, length, d = k.shape
+    lc = length - cfg.n_obs
+    if lc < 1:
+        raise ValueError(f"fixed context of {length} tokens is not longer than the exact tail n_obs={cfg.n_obs}")
+    c2, c1 = cfg.n_clusters(lc)
+    out = []
+    for layer in range(n_layers):  # one layer at a time bounds memory (heads are vmapped)
+        km = spherical_kmeans(k[layer, :, :lc], KMeansConfig(c2, cfg.kmeans_iters, seed=cfg.seed + layer))
+        perm, offsets = cluster_layout(km.labels, c2)
+        if c1:
+            parent, cent1, cnt1 = cluster_level_up(
+                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + layer)
+            )
+        else:
+            parent = jnp.zeros((hkv, c2), jnp.int32)
+            cent1 = jnp.zeros((hkv, 0, d), jnp.float32)
+            cnt1 = jnp.zeros((hkv, 0), jnp.int32)
+        out.append(SqueezedLayerIndex(km.centroids, km.counts, km.labels, perm, offsets, cent1, cnt1, parent))
+    return jax.tree.map(lambda *a: jnp.stack(a), *out)
+
+
+def build_squeezed_index(
+    k: jax.Array,      # [Lyr, Hkv, L, d] roped fixed-context keys
+    q_obs: jax.Array,  # [Lyr, Hq, n, d] roped queries of the last fixed-context tokens
+    cfg: SqueezedConfig,
+    scale: float,
+) -> tuple[SqueezedIndex, dict]:
+    """Cluster + calibrate (App. C).  Returns the index and calibration facts (fractions, T, T1)."""
+    from sqjax.calibration import global_threshold, key_scores
+
+    check_rank("q_obs", q_obs, 4, "[layers, Hq, n_obs, d]")
+    check_same("layers", [("k", k.shape[0]), ("q_obs", q_obs.shape[0])])
+    check_same("head dim", [("k", k.shape[-1]), ("q_obs", q_obs.shape[-1])])
+    check_gqa(q_obs.shape[1], k.shape[1])
+    layers = cluster_fixed_context(k, cfg)
+    n_layers = k.shape[0]
+    per_layer = [jax.tree.map(lambda a: a[i], layers) for i in range(n_layers)]
+    threshold1 = 0.0
+    if cfg.hierarchical:
+        s1 = [cluster_scores(q_obs[i], li.centroids1, li.counts1, scale, cfg.vote) for i, li in enumerate(per_layer)]
+        # a key's level-1 score is its parent's score
+        lvl1_key = [
+            key_scores(jnp.take_along_axis(s, per_selection_head(li.parent, s.shape[0]), axis=-1), li.labels)
+            for s, li in zip(s1, per_layer)
+        ]
+        threshold1 = global_threshold(lvl1_key, cfg.level1_prune)
+    scores = [layer_scores(li, q_obs[i], threshold1, scale, cfg.vote)[0] for i, li in enumerate(per_layer)]
+    per_key = [key_scores(s, li.labels) for s, li in zip(scores, per_layer)]
+    threshold = global_threshold(per_key, cfg.sparsity)
+    frac = jnp.stack([jnp.mean((p > threshold).astype(jnp.float32), axis=-1) for p in per_key])  # [Lyr, Hs]
+    lc = k.shape[2] - cfg.n_obs
+    cap_frac = cfg.capacity_fraction
+    if cap_frac is None:
+        cap_frac = min(1.0, 1.5 * float(jnp.max(frac)) + 0.05)
+    capacity = cfg.n_obs + int(min(lc, -(-cap_frac * lc // 1)))
+    index = SqueezedIndex(layers, jnp.float32(threshold), jnp.float32(threshold1), cfg.n_obs, capacity)
+    info = {
+        "threshold": threshold,
+        "threshold1": threshold1,
+        "calibrated_retrieved_fraction": frac,
+        "capacity": capacity,
+    }
+    return index, info
