@@ -70,14 +70,21 @@ class Method:
     def build(self, data: ContextData):
         return None, {}
 
-    def select(self, index, layer: int, q: jax.Array, q_pre: jax.Array | None, k_fixed: jax.Array) -> Selection:
+    def select(self, index, layer: int, q: jax.Array, q_pre: jax.Array | None, k_fixed: jax.Array,
+               q_valid: jax.Array | None = None) -> Selection:
         """Keys to attend for queries q [Hq, T, d] at `layer` over k_fixed [Hkv, L, d].
 
         The first `dense_layers` layers are dense. q_pre: de-roped queries (SAAP only).
+        q_valid [T] bool: padding queries (False) take no part in block-level selection.
         """
         if layer < self.dense_layers:
             return dense_selection(self.selection_heads(q.shape[0], k_fixed.shape[0]), k_fixed.shape[1])
+        if q_valid is not None and self.block_level:
+            return self._select(index, layer, q, q_pre, k_fixed, q_valid=q_valid)
         return self._select(index, layer, q, q_pre, k_fixed)
+
+    #: True when one key set serves the whole query block (padding queries must not vote)
+    block_level: ClassVar[bool] = False
 
     def selection_heads(self, n_q_heads: int, n_kv_heads: int) -> int:
         """Hs: one key set per KV head unless the method selects per query head (vote="q")."""
@@ -110,6 +117,7 @@ class Squeezed(Method):
     centroid_fraction: float = 0.05
     n_centroids: int | None = None
     n_obs: int = 100
+    n_sink: int = 0
     vote: str = "kv"
     capacity_fraction: float | None = None
     kmeans_iters: int = 25
@@ -123,7 +131,7 @@ class Squeezed(Method):
     def config(self) -> squeezed.SqueezedConfig:
         return squeezed.SqueezedConfig(
             sparsity=self.sparsity, centroid_fraction=self.centroid_fraction, n_centroids=self.n_centroids,
-            n_obs=self.n_obs, vote=self.vote, capacity_fraction=self.capacity_fraction,
+            n_obs=self.n_obs, n_sink=self.n_sink, vote=self.vote, capacity_fraction=self.capacity_fraction,
             kmeans_iters=self.kmeans_iters, seed=self.seed, **self._hier_kwargs(),
         )
 
@@ -133,23 +141,27 @@ class Squeezed(Method):
     def build(self, data: ContextData):
         return squeezed.build_squeezed_index(data.k, data.q_obs, self.config, data.scale)
 
-    def _select(self, index: squeezed.SqueezedIndex, layer, q, q_pre, k_fixed) -> Selection:
+    block_level: ClassVar[bool] = True
+
+    def _select(self, index: squeezed.SqueezedIndex, layer, q, q_pre, k_fixed, q_valid=None) -> Selection:
         length = k_fixed.shape[1]
         ret, touched = squeezed.lookup(
             index.layer(layer), q, index.threshold, index.threshold1,
             scale=1.0 / math.sqrt(q.shape[-1]), vote=self.vote, n_tail=index.n_tail, capacity=index.capacity,
+            q_valid=q_valid, n_sink=index.n_sink,
         )
         mask = squeezed.retrieval_mask(ret, length)[:, None, :]
         return Selection(mask, ret.count[:, None], touched[:, None].astype(jnp.float32), ret.overflow, ret)
 
     def expected_budget(self, length: int) -> float:
-        lc = length - self.n_obs
+        lc = length - self.n_obs - self.n_sink
         c2 = self.config.n_clusters(lc)[0]
-        return ((1 - self.sparsity) * lc + self.n_obs + c2 / 2) / length
+        return ((1 - self.sparsity) * lc + self.n_obs + self.n_sink + c2 / 2) / length
 
     @property
     def label(self) -> str:
-        return f"{self.name}@{self.sparsity:g}"
+        sink = f"+sink{self.n_sink}" if self.n_sink else ""
+        return f"{self.name}{sink}@{self.sparsity:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +176,9 @@ class HierarchicalSqueezed(Squeezed):
         return dict(hierarchical=True, level1_fraction=self.level1_fraction, level1_prune=self.level1_prune)
 
     def expected_budget(self, length: int) -> float:
-        lc = length - self.n_obs
+        lc = length - self.n_obs - self.n_sink
         c2, c1 = self.config.n_clusters(lc)
-        return ((1 - self.sparsity) * lc + self.n_obs + (c1 + (1 - self.level1_prune) * c2) / 2) / length
+        return ((1 - self.sparsity) * lc + self.n_obs + self.n_sink + (c1 + (1 - self.level1_prune) * c2) / 2) / length
 
 
 def _budget_tokens(budget: float, length: int, multiple: int = 1) -> int:

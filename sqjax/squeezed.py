@@ -101,6 +101,7 @@ def cluster_scores(
     counts: jax.Array,     # [Hkv, C] keys per cluster (0 = empty: never scores)
     scale: float,
     vote: str = "kv",
+    q_valid: jax.Array | None = None,  # [T] bool; padding tokens (False) are left out of the mean
 ) -> jax.Array:
     """Eq. 1 averaged over the T query tokens (and over the group when vote="kv").  -> [Hs, C] f32."""
     _check_lookup_inputs(q, centroids, counts)
@@ -108,7 +109,15 @@ def cluster_scores(
     logits = _group_logits(q, centroids, scale)  # [Hkv, g, T, C]
     w = counts.astype(jnp.float32)[:, None, None, :]
     s = _normalised_scores(logits, w, (counts > 0)[:, None, None, :])
-    return _vote(jnp.mean(s, axis=2), vote)
+    return _vote(_token_mean(s, q_valid), vote)
+
+
+def _token_mean(s: jax.Array, q_valid: jax.Array | None) -> jax.Array:
+    """Mean over the token axis (2) of [Hkv, g, T, C], over valid tokens only."""
+    if q_valid is None:
+        return jnp.mean(s, axis=2)
+    w = q_valid.astype(jnp.float32)[None, None, :, None]
+    return jnp.sum(s * w, axis=2) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 class HierarchicalScores(NamedTuple):
@@ -128,6 +137,7 @@ def hierarchical_scores(
     threshold1: jax.Array | float,
     scale: float,
     vote: str = "kv",
+    q_valid: jax.Array | None = None,
 ) -> HierarchicalScores:
     """Eq. 2 on level 1, drop S1 < T1, then Eq. 3 over the surviving level-2 clusters."""
     _check_lookup_inputs(q, centroids2, counts2)
@@ -135,7 +145,7 @@ def hierarchical_scores(
     check_same("level-2 clusters", [("centroids2", centroids2.shape[1]), ("parent", parent.shape[1])])
     hq, hkv = q.shape[0], centroids2.shape[0]
     g = hq // hkv
-    s1 = cluster_scores(q, centroids1, counts1, scale, vote)  # [Hs, C1]
+    s1 = cluster_scores(q, centroids1, counts1, scale, vote, q_valid)  # [Hs, C1]
     hs = s1.shape[0]
     keep1 = (s1 >= threshold1) & per_selection_head(counts1 > 0, hs)
     cand = jnp.take_along_axis(keep1, per_selection_head(parent, hs), axis=-1)  # [Hs, C2]
@@ -146,7 +156,7 @@ def hierarchical_scores(
     logits = _group_logits(q, centroids2, scale)  # [Hkv, g, T, C2]
     w = counts2.astype(jnp.float32)[:, None, None, :]
     s2 = _normalised_scores(logits, w, cand_q[:, :, None, :])
-    s2 = _vote(jnp.mean(s2, axis=2), vote)
+    s2 = _vote(_token_mean(s2, q_valid), vote)
     n_touched = centroids1.shape[1] + jnp.sum(cand, axis=-1).astype(jnp.int32)
     return HierarchicalScores(s2, s1, cand, n_touched)
 
@@ -156,7 +166,7 @@ def hierarchical_scores(
 # ---------------------------------------------------------------------------------------------
 
 class Retrieval(NamedTuple):
-    idx: jax.Array       # [Hs, cap] int32 fixed-context positions; exact tail first; past count: 0
+    idx: jax.Array       # [Hs, cap] int32 fixed-context positions; exact sink + tail first; past count: 0
     count: jax.Array     # [Hs] int32 valid entries of idx (tail included)
     overflow: jax.Array  # [Hs] bool: selected clusters did not all fit in the capacity
 
@@ -172,9 +182,9 @@ def cluster_layout(labels: jax.Array, n_clusters: int) -> tuple[jax.Array, jax.A
     return perm, offsets
 
 
-def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_clustered: int, capacity: int):
+def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_clustered: int, capacity: int, n_sink: int):
     """One selection head.  selected/scores/counts [C], perm [Lc], offsets [C+1]."""
-    budget = capacity - n_tail
+    budget = capacity - n_tail - n_sink
     key = jnp.where(selected, scores, -jnp.inf)
     order = jnp.argsort(-key, stable=True)
     sel_sorted = selected[order]
@@ -191,10 +201,10 @@ def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_cluste
     c = order[r]
     start = cum_keep[r] - n_keep[r]
     src = offsets[c] + (slots - start)
-    pos = perm[jnp.clip(src, 0, max(n_clustered - 1, 0))]
+    pos = perm[jnp.clip(src, 0, max(n_clustered - 1, 0))] + n_sink
     pos = jnp.where(slots < total, pos, 0)
-    tail = jnp.arange(n_tail, dtype=jnp.int32) + n_clustered
-    return jnp.concatenate([tail, pos.astype(jnp.int32)]), (n_tail + total).astype(jnp.int32), overflow
+    exact = jnp.concatenate([jnp.arange(n_sink, dtype=jnp.int32), jnp.arange(n_tail, dtype=jnp.int32) + n_sink + n_clustered])
+    return jnp.concatenate([exact, pos.astype(jnp.int32)]), (n_sink + n_tail + total).astype(jnp.int32), overflow
 
 
 def retrieve(
@@ -205,14 +215,18 @@ def retrieve(
     offsets: jax.Array,   # [Hkv, C+1]
     n_tail: int,
     capacity: int,
+    n_sink: int = 0,
 ) -> Retrieval:
-    """Expand selected clusters to key positions (static capacity, exact tail first)."""
+    """Expand selected clusters to key positions (static capacity, exact sink + tail first).
+
+    Clustered keys are positions [n_sink, n_sink + Lc); perm holds them relative to n_sink.
+    """
     hs = selected.shape[0]
     n_clustered = perm.shape[-1]
-    if capacity < n_tail:
-        raise ValueError(f"capacity ({capacity}) must hold at least the exact tail ({n_tail})")
-    capacity = min(capacity, n_tail + n_clustered)
-    f = lambda s, sc, cn, p, o: _retrieve_one(s, sc, cn, p, o, n_tail, n_clustered, capacity)  # noqa: E731
+    if capacity < n_tail + n_sink:
+        raise ValueError(f"capacity ({capacity}) must hold at least the exact sink + tail ({n_sink} + {n_tail})")
+    capacity = min(capacity, n_sink + n_tail + n_clustered)
+    f = lambda s, sc, cn, p, o: _retrieve_one(s, sc, cn, p, o, n_tail, n_clustered, capacity, n_sink)  # noqa: E731
     idx, count, overflow = jax.vmap(f)(
         selected, scores,
         per_selection_head(counts, hs), per_selection_head(perm, hs), per_selection_head(offsets, hs),
@@ -246,16 +260,16 @@ class SqueezedLayerIndex:
     parent: jax.Array      # [Hkv, C] int32 level-1 parent of each level-2 cluster
 
 
-def layer_scores(index: SqueezedLayerIndex, q: jax.Array, threshold1, scale: float, vote: str):
+def layer_scores(index: SqueezedLayerIndex, q: jax.Array, threshold1, scale: float, vote: str, q_valid=None):
     """Final cluster scores [Hs, C] and centroids read [Hs] for one layer (1- or 2-level)."""
     hs = selection_heads(q.shape[0], index.centroids.shape[0], vote)
     if index.centroids1.shape[-2] == 0:
-        s = cluster_scores(q, index.centroids, index.counts, scale, vote)
+        s = cluster_scores(q, index.centroids, index.counts, scale, vote, q_valid)
         touched = jnp.full((hs,), index.centroids.shape[1], jnp.int32)
         return s, touched
     h = hierarchical_scores(
         q, index.centroids1, index.counts1, index.centroids, index.counts, index.parent,
-        threshold1, scale, vote,
+        threshold1, scale, vote, q_valid,
     )
     return h.scores, h.n_touched
 
@@ -270,12 +284,14 @@ def lookup(
     vote: str,
     n_tail: int,
     capacity: int,
+    q_valid: jax.Array | None = None,
+    n_sink: int = 0,
 ) -> tuple[Retrieval, jax.Array]:
     """Squeezed lookup for one layer: -> (Retrieval, centroids read [Hs])."""
-    s, touched = layer_scores(index, q, threshold1, scale, vote)
+    s, touched = layer_scores(index, q, threshold1, scale, vote, q_valid)
     hs = s.shape[0]
     selected = (s > threshold) & per_selection_head(index.counts > 0, hs)
-    ret = retrieve(selected, s, index.counts, index.perm, index.offsets, n_tail, capacity)
+    ret = retrieve(selected, s, index.counts, index.perm, index.offsets, n_tail, capacity, n_sink)
     return ret, touched
 
 
@@ -292,6 +308,9 @@ class SqueezedConfig:
     n_centroids:       an explicit count (overrides the fraction).
     n_obs:             exact tail: last fixed-context tokens never clustered, always attended,
                        and whose queries calibrate the threshold (App. C).
+    n_sink:            first tokens (the attention sink) never clustered, always attended.
+                       0 = the paper's algorithm; see the README's quality section for why
+                       small models want 1–4.
     hierarchical:      add a level-1 clustering of the centroids (§3.3, Eq. 2–3).
     level1_fraction:   level-1 centroids per clustered key (0.01).
     level1_prune:      fraction of keys the level-1 threshold rules out on calibration (~0.5).
@@ -304,6 +323,7 @@ class SqueezedConfig:
     centroid_fraction: float = 0.05
     n_centroids: int | None = None
     n_obs: int = 100
+    n_sink: int = 0
     hierarchical: bool = False
     level1_fraction: float = 0.01
     level1_prune: float = 0.5
@@ -327,6 +347,8 @@ class SqueezedConfig:
             raise ValueError(f"n_centroids must be >= 1; got {self.n_centroids}")
         if self.n_obs < 1:
             raise ValueError(f"n_obs must be >= 1; got {self.n_obs}")
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0; got {self.n_sink}")
         _check_vote(self.vote)
         if self.capacity_fraction is not None:
             check_fraction("capacity_fraction", self.capacity_fraction, inclusive_high=True)
@@ -337,7 +359,7 @@ class SqueezedConfig:
         if c2 > n_clustered:
             raise ValueError(
                 f"more centroids than keys: {c2} centroids for {n_clustered} clustered keys "
-                f"(fixed context minus the {self.n_obs}-token exact tail)"
+                f"(fixed context minus the {self.n_sink}-token sink and {self.n_obs}-token exact tail)"
             )
         c1 = max(1, round(self.level1_fraction * n_clustered)) if self.hierarchical else 0
         if self.hierarchical and c1 >= c2:
@@ -355,6 +377,7 @@ class SqueezedIndex:
     threshold1: jax.Array       # f32 scalar T1 (0 for one level: every level-1 cluster survives)
     n_tail: int = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))
+    n_sink: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def layer(self, i: int) -> SqueezedLayerIndex:
         return jax.tree.map(lambda a: a[i], self.layers)
@@ -366,13 +389,16 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
 
     check_rank("k", k, 4, "[layers, Hkv, L, d]")
     n_layers, hkv, length, d = k.shape
-    lc = length - cfg.n_obs
+    lc = length - cfg.n_obs - cfg.n_sink
     if lc < 1:
-        raise ValueError(f"fixed context of {length} tokens is not longer than the exact tail n_obs={cfg.n_obs}")
+        raise ValueError(
+            f"fixed context of {length} tokens is not longer than the exact sink + tail ({cfg.n_sink} + {cfg.n_obs})"
+        )
     c2, c1 = cfg.n_clusters(lc)
     out = []
     for layer in range(n_layers):  # one layer at a time bounds memory (heads are vmapped)
-        km = spherical_kmeans(k[layer, :, :lc], KMeansConfig(c2, cfg.kmeans_iters, seed=cfg.seed + layer))
+        keys = k[layer, :, cfg.n_sink:cfg.n_sink + lc]
+        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, seed=cfg.seed + layer))
         perm, offsets = cluster_layout(km.labels, c2)
         if c1:
             parent, cent1, cnt1 = cluster_level_up(
@@ -415,12 +441,12 @@ def build_squeezed_index(
     per_key = [key_scores(s, li.labels) for s, li in zip(scores, per_layer)]
     threshold = global_threshold(per_key, cfg.sparsity)
     frac = jnp.stack([jnp.mean((p > threshold).astype(jnp.float32), axis=-1) for p in per_key])  # [Lyr, Hs]
-    lc = k.shape[2] - cfg.n_obs
+    lc = k.shape[2] - cfg.n_obs - cfg.n_sink
     cap_frac = cfg.capacity_fraction
     if cap_frac is None:
         cap_frac = min(1.0, 1.5 * float(jnp.max(frac)) + 0.05)
-    capacity = cfg.n_obs + int(min(lc, -(-cap_frac * lc // 1)))
-    index = SqueezedIndex(layers, jnp.float32(threshold), jnp.float32(threshold1), cfg.n_obs, capacity)
+    capacity = cfg.n_sink + cfg.n_obs + int(min(lc, -(-cap_frac * lc // 1)))
+    index = SqueezedIndex(layers, jnp.float32(threshold), jnp.float32(threshold1), cfg.n_obs, capacity, cfg.n_sink)
     info = {
         "threshold": threshold,
         "threshold1": threshold1,

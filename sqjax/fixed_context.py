@@ -1,0 +1,456 @@
+"""The fixed-context workflow: index a document once, answer many questions against it.
+
+    ctx = FixedContext.build(model, document, Squeezed(sparsity=0.9))   # prefill + cluster + calibrate
+    answer = ctx.ask("question")          # sparse prefill of the question, sparse decode
+    answer.stats                          # KV budget, bytes moved, time to first token, time/token
+    ctx.save("doc.sqx"); ctx = FixedContext.load("doc.sqx", model)
+
+The document's KV cache lives in the index state; every question runs `models.forward` with
+`SparseAttentionHook` as the attention of each layer: the method selects fixed-context keys
+from the roped queries, attention is exact over those keys (exact tail included) plus the
+question's own causal keys, merged by log-sum-exp (`attention.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sqjax import index_io
+from sqjax.attention import fixed_context_attention
+from sqjax.budget import account
+from sqjax.methods import ContextData, Full, Method, Saap, method_from_name
+from sqjax.selection import Selection
+
+_SENTINEL = "\u2063SQJAX-QUESTION\u2063"
+_BUCKET = 16  # question lengths are left-padded to a multiple of this (fewer compilations)
+
+
+class SqjaxError(ValueError):
+    """A user-facing error: the message says what went wrong and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention hook
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionHook:
+    """`attn_fn` for `models.forward`: a method's selection of the fixed context + causal input.
+
+    attn_state = {"k": [layers, Hkv, L, d], "v": ..., "index": method index}.
+    """
+
+    method: Method
+    inv_freq: tuple[float, ...]  # RoPE frequencies (for de-roped queries, SAAP)
+    needs_q_pre: bool = False
+
+    def __call__(self, layer, q, cache_k, cache_v, q_pos, kv_pos, state):
+        from models.rope import remove_rope
+
+        k_fix, v_fix = state["k"][layer], state["v"][layer]  # [Hkv, L, d]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        q_pre = remove_rope(q, q_pos, jnp.asarray(self.inv_freq, jnp.float32)) if self.needs_q_pre else None
+
+        def one(qb, qpre_b, ckb, cvb, qpb, kpb):
+            qh = jnp.swapaxes(qb, 0, 1)  # [Hq, T, d]
+            qpre_h = None if qpre_b is None else jnp.swapaxes(qpre_b, 0, 1)
+            sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=qpb >= 0)
+            o = fixed_context_attention(qh, k_fix, v_fix, sel.mask, ckb, cvb, qpb, kpb, scale)
+            return jnp.swapaxes(o, 0, 1)
+
+        return jax.vmap(one)(q, q_pre, cache_k, cache_v, q_pos, kv_pos)
+
+
+@jax.jit
+def _log_softmax_rows(logits, targets):
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers and their stats
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class AnswerStats:
+    method: str
+    n_prompt_tokens: int
+    n_new_tokens: int
+    kv_budget: float           # mean over decode steps (prefill if no decode step)
+    kv_budget_prefill: float   # the question's prefill lookup
+    kv_budget_per_layer: list  # decode mean, per layer
+    bytes_moved_per_token: float
+    bytes_dense_per_token: float
+    overflow: bool             # a squeezed capacity overflowed (clusters dropped, see squeezed.py)
+    time_to_first_token_s: float
+    time_per_output_token_s: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Answer(str):
+    """The generated text (a str) with `.token_ids` and `.stats`."""
+
+    token_ids: list
+    stats: AnswerStats
+
+    def __new__(cls, text: str, token_ids: list, stats: AnswerStats):
+        obj = super().__new__(cls, text)
+        obj.token_ids = token_ids
+        obj.stats = stats
+        return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# FixedContext
+# ---------------------------------------------------------------------------------------------
+
+def _progress(iterable, desc: str, enabled: bool, total: int | None = None):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, leave=False)
+
+
+def _method_params(method: Method) -> dict:
+    return {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
+
+
+class FixedContext:
+    """A document prefilled once, indexed for one method, ready for many questions."""
+
+    def __init__(self, model, method: Method, doc_ids: np.ndarray, data: ContextData, index, info: dict,
+                 *, last_logits: jax.Array, chat: bool, suffix_template: str, doc_sha256: str):
+        self.model = model
+        self.last_logits = last_logits  # [vocab] prediction after the document's last token
+        self.method = method
+        self.doc_ids = np.asarray(doc_ids, np.int32)
+        self.data = data
+        self.index = index
+        self.info = info
+        self.chat = chat
+        self.suffix_template = suffix_template  # text after the document; "{question}" placeholder
+        self.doc_sha256 = doc_sha256
+        self.n_prefills = 1  # document prefills done for this context (tests: questions reuse it)
+        cfg = model.config
+        self._hook = SparseAttentionHook(
+            method, tuple(float(x) for x in _inv_freq(cfg)), needs_q_pre=isinstance(method, Saap)
+        )
+        self._state = {"k": data.k, "v": data.v, "index": index}
+
+    # ----------------------------------------------------------------------------- building
+    @classmethod
+    def build(cls, model, document: str, method: Method | None = None, *, chat: bool = True,
+              truncate: bool = False, reserve: int = 256, chunk: int = 1024, progress: bool = False):
+        """Prefill `document` once and build `method`'s index (clusters, calibration, pages, ...).
+
+        chat: wrap the document (and later questions) in the model's chat template.
+        reserve: tokens kept free in the model's context for questions and answers.
+        truncate: keep the start of an over-long document instead of failing.
+        """
+        method = method or method_from_name("squeezed")
+        if not isinstance(document, str) or not document.strip():
+            raise SqjaxError("the document is empty: pass a text file with content")
+        prefix, suffix_template = cls._split_template(model, document, chat)
+        tok = model.tokenizer
+        ids = np.asarray(tok.encode(prefix, add_bos=False if chat else None), np.int32)
+        limit = model.config.max_position_embeddings - reserve
+        if len(ids) > limit:
+            over = len(ids) - limit
+            if not truncate:
+                raise SqjaxError(
+                    f"the document is {len(ids)} tokens but {model.name} holds {model.config.max_position_embeddings} "
+                    f"(with {reserve} reserved for the question and answer): {over} tokens too many. "
+                    "Shorten it, or pass truncate=True (--truncate) to keep its first part"
+                )
+            ids = ids[:limit]
+        data, last_logits = _prefill_document(model, ids, method, chunk=chunk, progress=progress)
+        t0 = time.perf_counter()
+        index, info = method.build(data)
+        jax.block_until_ready(index)
+        info = _jsonable(info)
+        info["index_seconds"] = time.perf_counter() - t0
+        sha = hashlib.sha256(document.encode()).hexdigest()
+        return cls(model, method, ids, data, index, info, last_logits=last_logits, chat=chat,
+                   suffix_template=suffix_template, doc_sha256=sha)
+
+    @staticmethod
+    def _split_template(model, document: str, chat: bool) -> tuple[str, str]:
+        """(fixed prefix text, suffix template with '{question}')."""
+        if not chat:
+            return document, "\n\n{question}"
+        rendered = model.chat_prompt(document + "\n\n" + _SENTINEL)
+        prefix, _, rest = rendered.partition(_SENTINEL)
+        if not rest and not rendered.endswith(_SENTINEL):
+            raise SqjaxError("the model's chat template dropped the question placeholder; use chat=False")
+        return prefix, "{question}" + rest.replace("{", "{{").replace("}", "}}").replace("{{question}}", "{question}")
+
+    def with_method(self, method: Method) -> "FixedContext":
+        """The same prefilled document indexed for another method (no new prefill)."""
+        data = self.data
+        if isinstance(method, Saap) and data.k_pre is None:
+            data = dataclasses.replace(data, k_pre=_derope_keys(self.model, data.k))
+        index, info = method.build(data)
+        ctx = FixedContext(self.model, method, self.doc_ids, data, index, _jsonable(info),
+                           last_logits=self.last_logits, chat=self.chat,
+                           suffix_template=self.suffix_template, doc_sha256=self.doc_sha256)
+        ctx.n_prefills = 0
+        return ctx
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.doc_ids.shape[0])
+
+    # ----------------------------------------------------------------------------- running
+    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool):
+        """Forward `ids` (−1 = left padding) at positions start_pos.. through the sparse hook."""
+        from models.forward import forward_jit
+
+        ids = np.asarray(ids, np.int32)
+        pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
+        tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
+        return forward_jit(
+            self.model.graphdef, self.model.state, jnp.asarray(tokens[None]), jnp.asarray(pos[None]), cache,
+            attn_fn=self._hook, attn_state=self._state, capture_last=capture, logits="all",
+        )
+
+    def _new_cache(self, n: int):
+        return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
+
+    def _selections(self, captures, q_valid) -> list[Selection]:
+        """Re-run the method's lookup on captured queries (stats only; outside the timed path)."""
+        sels = []
+        for layer, cap in enumerate(captures):
+            q = jnp.swapaxes(cap["q"][0], 0, 1)
+            q_pre = jnp.swapaxes(cap["q_pre"][0], 0, 1)
+            sels.append(_select_jit(self.method, self.index, layer, q, q_pre, self.data.k[layer], q_valid))
+        return sels
+
+    def _question_ids(self, question: str) -> np.ndarray:
+        if not isinstance(question, str) or not question.strip():
+            raise SqjaxError("the question is empty: ask something")
+        text = self.suffix_template.format(question=question)
+        return np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
+
+    def ask(self, question: str, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None) -> Answer:
+        """Answer `question` about the document (greedy by default); streams text to `on_token`."""
+        if max_new_tokens < 1:
+            raise SqjaxError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        q_ids = self._question_ids(question)
+        total = self.n_tokens + len(q_ids) + max_new_tokens
+        if total > self.model.config.max_position_embeddings:
+            raise SqjaxError(
+                f"document ({self.n_tokens}) + question ({len(q_ids)}) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"tokens exceed the model's context of {self.model.config.max_position_embeddings}; ask for fewer tokens"
+            )
+        tok = self.model.tokenizer
+        stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok.eos_ids))
+        padded_len = -(-len(q_ids) // _BUCKET) * _BUCKET
+        padded = np.concatenate([np.full(padded_len - len(q_ids), -1, np.int32), q_ids])
+        key = jax.random.key(seed)
+
+        t0 = time.perf_counter()
+        cache = self._new_cache(padded_len + max_new_tokens)
+        logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None)
+        nxt = int(_sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))
+        ttft = time.perf_counter() - t0
+        prefill_sel = self._selections(caps, jnp.asarray(padded >= 0))
+        out, step_caps, step_times = [], [], []
+        pos = self.n_tokens + len(q_ids)
+        emitted = ""
+        for step in range(max_new_tokens):
+            out.append(nxt)
+            if on_token is not None:
+                text = tok.decode(out)
+                on_token(text[len(emitted):])
+                emitted = text
+            if nxt in stop or step == max_new_tokens - 1:
+                break
+            ts = time.perf_counter()
+            logits, cache, caps = self._run(np.asarray([nxt], np.int32), pos, cache, capture=1)
+            nxt = int(_sample(logits[0, -1], jax.random.fold_in(key, step + 1), temperature, top_p))
+            step_times.append(time.perf_counter() - ts)
+            step_caps.append(caps)
+            pos += 1
+        stats = self._stats(prefill_sel, step_caps, len(q_ids), len(out), ttft, step_times)
+        return Answer(tok.decode(out), out, stats)
+
+    def _stats(self, prefill_sel, step_caps, n_prompt, n_new, ttft, step_times) -> AnswerStats:
+        cfg = self.model.config
+        bpe = jnp.dtype(self.data.k.dtype).itemsize
+        acc = lambda sels: account(sels, self.n_tokens, cfg.head_dim, cfg.num_kv_heads, bpe)  # noqa: E731
+        pre = acc(prefill_sel)
+        if step_caps:
+            reps = [acc(self._selections(c, jnp.ones((1,), bool))) for c in step_caps]
+            per_layer = np.mean([r.per_layer for r in reps], axis=0)
+            kv = float(np.mean([r.overall for r in reps]))
+            moved = float(np.mean([r.bytes_moved for r in reps]))
+        else:
+            per_layer, kv, moved = pre.per_layer, pre.overall, pre.bytes_moved
+        overflow = any(bool(np.any(np.asarray(s.overflow))) for s in prefill_sel)
+        return AnswerStats(
+            method=self.method.label, n_prompt_tokens=n_prompt, n_new_tokens=n_new, kv_budget=kv,
+            kv_budget_prefill=pre.overall, kv_budget_per_layer=[float(x) for x in per_layer],
+            bytes_moved_per_token=moved, bytes_dense_per_token=pre.bytes_dense, overflow=overflow,
+            time_to_first_token_s=ttft,
+            time_per_output_token_s=float(np.median(step_times)) if step_times else float("nan"),
+        )
+
+    def score(self, text: str) -> np.ndarray:
+        """Log-probs [n] of the tokens of `text` following the document (one sparse prefill block)."""
+        if not isinstance(text, str) or not text:
+            raise SqjaxError("the text to score is empty")
+        ids = np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
+        return self.score_ids(ids)
+
+    def score_ids(self, ids: np.ndarray, *, mode: str = "prefill", return_logits: bool = False):
+        """Log-probs of token ids following the document: lp[i] = log p(ids[i] | doc, ids[:i]).
+
+        ids[0] is predicted by the document prefill's last logits. mode="prefill": ids[1:] by
+        one sparse prefill block over ids[:-1] (the method's block lookup, e.g. Eq. 1 averaged
+        over the block); mode="decode": token by token, one lookup per token (generation).
+        """
+        ids = np.asarray(ids, np.int32)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise SqjaxError(f"ids must be a non-empty 1-D array; got shape {ids.shape}")
+        if mode not in ("prefill", "decode"):
+            raise SqjaxError(f"mode must be 'prefill' or 'decode'; got {mode!r}")
+        if self.n_tokens + len(ids) > self.model.config.max_position_embeddings:
+            raise SqjaxError(f"document + {len(ids)} tokens exceed the model's context")
+        inp = ids[:-1]
+        if mode == "prefill":
+            padded_len = -(-max(len(inp), 1) // _BUCKET) * _BUCKET
+            padded = np.concatenate([np.full(padded_len - len(inp), -1, np.int32), inp])
+            logits, _, _ = self._run(padded, self.n_tokens, self._new_cache(padded_len), capture=False)
+            logits = logits[0, padded_len - len(inp):]  # predictions for ids[1:]
+        else:
+            cache = self._new_cache(max(len(inp), 1))
+            rows = []
+            for i, t in enumerate(inp):
+                lg, cache, _ = self._run(np.asarray([t], np.int32), self.n_tokens + i, cache, capture=False)
+                rows.append(lg[0, -1])
+            logits = jnp.stack(rows) if rows else jnp.zeros((0, self.last_logits.shape[-1]), jnp.float32)
+        all_logits = jnp.concatenate([self.last_logits[None], logits], axis=0)
+        lp = np.asarray(_log_softmax_rows(all_logits, jnp.asarray(ids)))
+        return (lp, np.asarray(all_logits)) if return_logits else lp
+
+    # ----------------------------------------------------------------------------- persistence
+    def save(self, path) -> None:
+        """Write the index atomically to `path` (`.sqx`, see `index_io`)."""
+        tree = {"data": dataclasses.replace(self.data, k_pre=None), "index": self.index,
+                "doc_ids": self.doc_ids, "last_logits": self.last_logits}
+        header = {
+            "model_fingerprint": self.model.fingerprint,
+            "model_name": self.model.name,
+            "tokenizer": getattr(self.model.tokenizer, "name", None),
+            "method": {"name": self.method.name, "params": _method_params(self.method)},
+            "document": {"n_tokens": self.n_tokens, "sha256": self.doc_sha256, "chat": self.chat,
+                         "suffix_template": self.suffix_template},
+            "info": self.info,
+        }
+        index_io.save_index(path, tree, header)
+
+    @classmethod
+    def load(cls, path, model) -> "FixedContext":
+        """Read an index written by `save`; the model must be the one it was built with."""
+        try:
+            tree, header = index_io.load_index(path, expected_fingerprint=model.fingerprint)
+        except index_io.IndexFileError as e:
+            raise SqjaxError(str(e)) from None
+        m = header["method"]
+        method = method_from_name(m["name"], **m["params"])
+        doc = header["document"]
+        data = tree["data"]
+        if isinstance(method, Saap):
+            data = dataclasses.replace(data, k_pre=_derope_keys(model, data.k))
+        ctx = cls(model, method, np.asarray(tree["doc_ids"]), data, tree["index"], header.get("info", {}),
+                  last_logits=tree["last_logits"], chat=doc["chat"], suffix_template=doc["suffix_template"],
+                  doc_sha256=doc["sha256"])
+        ctx.n_prefills = 0
+        return ctx
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def _inv_freq(config) -> np.ndarray:
+    from models.rope import config_frequencies
+
+    return config_frequencies(config)
+
+
+def _derope_keys(model, k: jax.Array) -> jax.Array:
+    """De-roped keys [layers, Hkv, L, d] from roped ones (inverse rotation at each position)."""
+    from models.rope import remove_rope
+
+    pos = jnp.arange(k.shape[2], dtype=jnp.int32)
+    inv = jnp.asarray(_inv_freq(model.config))
+    return jax.vmap(lambda kl: remove_rope(kl, jnp.broadcast_to(pos, kl.shape[:-1]), inv))(k)
+
+
+def _prefill_document(model, ids: np.ndarray, method: Method, *, chunk: int, progress: bool):
+    """Dense prefill of the document in chunks; returns its KV, the last queries and final logits."""
+    from models.forward import forward_jit
+
+    n = len(ids)
+    n_obs = max(getattr(method, "n_obs", 100), getattr(method, "window", 0), 100)
+    n_obs = min(n_obs, n)
+    chunk = max(chunk, n_obs)
+    bounds = list(range(0, n, chunk))
+    if n - bounds[-1] < n_obs and len(bounds) > 1:  # last chunk must hold the observed queries
+        bounds.pop()
+    cache = model.new_cache(1, n)
+    q_obs = None
+    logits = None
+    for i, start in enumerate(_progress(bounds, "prefill", progress)):
+        end = bounds[i + 1] if i + 1 < len(bounds) else n
+        toks = jnp.asarray(ids[None, start:end])
+        pos = jnp.arange(start, end, dtype=jnp.int32)[None]
+        last = end == n
+        logits, cache, caps = forward_jit(model.graphdef, model.state, toks, pos, cache,
+                                          capture_last=n_obs if last else False, logits="last")
+        if last:
+            q_obs = jnp.stack([jnp.swapaxes(c["q"][0], 0, 1) for c in caps])  # [layers, Hq, n_obs, d]
+    k = cache.k[:, 0]
+    v = cache.v[:, 0]
+    scale = 1.0 / math.sqrt(model.config.head_dim)
+    k_pre = _derope_keys(model, k) if isinstance(method, Saap) else None
+    return ContextData(k, v, q_obs, k_pre=k_pre, scale=scale), logits[0, -1]
+
+
+@functools.partial(jax.jit, static_argnames=("method", "layer"))
+def _select_jit(method, index, layer, q, q_pre, k_fixed, q_valid):
+    return method.select(index, layer, q, q_pre, k_fixed, q_valid=q_valid)
+
+
+def _sample(logits, key, temperature: float, top_p: float):
+    from models.generate import sample_logits
+
+    if temperature == 0.0:
+        return jnp.argmax(logits)
+    return sample_logits(logits[None], key, jnp.float32(temperature), jnp.float32(top_p),
+                         greedy=False, use_top_p=top_p < 1.0)[0]
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return x

@@ -1,0 +1,188 @@
+"""The on-disk fixed-context index (`.sqx`): one safetensors file, no pickle.
+
+Layout: every array of the index pytree is a safetensors tensor named by its tree path; the
+header metadata holds JSON: format name and version, the pytree structure (dicts, lists,
+None and an allow-list of our frozen dataclasses with their static fields), the model
+fingerprint, the tokenizer id, the method and its parameters, document facts, and a SHA-256
+over every tensor's name, dtype, shape and bytes.
+
+Writing is atomic (temp file in the same directory, fsync, `os.replace`): an interrupted save
+leaves the previous file (or none) and no partial file under the final name. Loading verifies
+format, version, checksum and model fingerprint and says what to do when one does not match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = "sqjax-index"
+VERSION = 1
+
+
+class IndexFileError(ValueError):
+    """A `.sqx` file that cannot be used (corrupted, another version, another model, ...)."""
+
+
+def _registered_classes() -> dict:
+    from sqjax.methods import ContextData
+    from sqjax.squeezed import SqueezedIndex, SqueezedLayerIndex
+
+    return {c.__name__: c for c in (ContextData, SqueezedIndex, SqueezedLayerIndex)}
+
+
+def _encode(tree, arrays: dict, path: str):
+    """Pytree -> JSON structure; arrays collected under their path names."""
+    if tree is None:
+        return {"t": "none"}
+    if isinstance(tree, dict):
+        return {"t": "dict", "items": {str(k): _encode(v, arrays, f"{path}/{k}") for k, v in tree.items()}}
+    if isinstance(tree, (list, tuple)):
+        return {"t": "list" if isinstance(tree, list) else "tuple",
+                "items": [_encode(v, arrays, f"{path}/{i}") for i, v in enumerate(tree)]}
+    if dataclasses.is_dataclass(tree):
+        name = type(tree).__name__
+        if name not in _registered_classes():
+            raise TypeError(f"cannot serialise dataclass {name}")
+        fields, static = {}, {}
+        for f in dataclasses.fields(tree):
+            val = getattr(tree, f.name)
+            if f.metadata.get("static"):
+                static[f.name] = val
+            else:
+                fields[f.name] = _encode(val, arrays, f"{path}/{f.name}")
+        return {"t": "dc", "cls": name, "fields": fields, "static": static}
+    if isinstance(tree, (int, float, bool, str)) and not hasattr(tree, "shape"):
+        return {"t": "scalar", "v": tree}
+    arr = np.asarray(tree)
+    name = path or "/"
+    arrays[name] = arr
+    return {"t": "array", "name": name, "dtype": str(arr.dtype)}
+
+
+def _decode(node, arrays: dict):
+    t = node["t"]
+    if t == "none":
+        return None
+    if t == "dict":
+        return {k: _decode(v, arrays) for k, v in node["items"].items()}
+    if t in ("list", "tuple"):
+        items = [_decode(v, arrays) for v in node["items"]]
+        return items if t == "list" else tuple(items)
+    if t == "dc":
+        classes = _registered_classes()
+        if node["cls"] not in classes:
+            raise IndexFileError(f"unknown structure {node['cls']!r} in index file")
+        kwargs = {k: _decode(v, arrays) for k, v in node["fields"].items()}
+        kwargs.update(node["static"])
+        return classes[node["cls"]](**kwargs)
+    if t == "scalar":
+        return node["v"]
+    if t == "array":
+        a = arrays[node["name"]]
+        if node["dtype"] == "bfloat16":
+            a = a.view(jnp.bfloat16) if a.dtype != jnp.bfloat16 else a
+        return jnp.asarray(a)
+    raise IndexFileError(f"unknown node type {t!r} in index file")
+
+
+def _to_storable(arr: np.ndarray) -> np.ndarray:
+    # safetensors' numpy API has no bfloat16: store its bits as uint16 (dtype recorded in the tree)
+    return arr.view(np.uint16) if arr.dtype == jnp.bfloat16 else np.ascontiguousarray(arr)
+
+
+def _checksum(arrays: dict, *texts: str) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode())
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(name.encode())
+        h.update(str(a.dtype).encode())
+        h.update(str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def write_atomic(path: str | os.PathLike, write_fn) -> None:
+    """Call write_fn(tmp_path) then rename over `path`; nothing partial is left on failure."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"output directory {str(parent)!r} does not exist; create it first")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save_index(path, tree, header: dict) -> None:
+    """Write `tree` (the index pytree) and `header` (JSON-able facts) atomically to `path`."""
+    from safetensors.numpy import save_file
+
+    arrays: dict = {}
+    structure = _encode(jax.device_get(tree), arrays, "")
+    stored = {k: _to_storable(np.asarray(v)) for k, v in arrays.items()}
+    structure_json, header_json = json.dumps(structure), json.dumps(header)
+    meta = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "structure": structure_json,
+        "header": header_json,
+        "sha256": _checksum(stored, structure_json, header_json),
+    }
+    write_atomic(path, lambda tmp: save_file(stored, tmp, metadata=meta))
+
+
+def load_index(path, expected_fingerprint: str | None = None) -> tuple[object, dict]:
+    """Read and verify a `.sqx` file -> (tree, header)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"index file {str(path)!r} not found; build one with `sqjax index DOC.txt -o {path}`")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            arrays = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own types for truncated/garbled headers
+        raise IndexFileError(
+            f"{path} is not a readable sqjax index (corrupted or truncated: {e}); rebuild it with `sqjax index`"
+        ) from None
+    if meta.get("format") != FORMAT:
+        raise IndexFileError(f"{path} is not a sqjax index file (format {meta.get('format')!r})")
+    if meta.get("version") != str(VERSION):
+        raise IndexFileError(
+            f"{path} has index format version {meta.get('version')}, this sqjax reads version {VERSION}; "
+            "rebuild the index with this version (`sqjax index`)"
+        )
+    if _checksum(arrays, meta.get("structure", ""), meta.get("header", "")) != meta.get("sha256"):
+        raise IndexFileError(f"{path} failed its checksum (the file is corrupted); rebuild it with `sqjax index`")
+    try:
+        header = json.loads(meta["header"])
+        tree = _decode(json.loads(meta["structure"]), arrays)
+    except (KeyError, json.JSONDecodeError, TypeError) as e:
+        raise IndexFileError(f"{path} has a damaged header ({e}); rebuild it with `sqjax index`") from None
+    if expected_fingerprint is not None and header.get("model_fingerprint") != expected_fingerprint:
+        raise IndexFileError(
+            f"{path} was built with another model ({header.get('model_name', '?')}, fingerprint "
+            f"{str(header.get('model_fingerprint'))[:12]}…); load it with that model or rebuild the index"
+        )
+    return tree, header

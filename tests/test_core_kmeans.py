@@ -1,0 +1,96 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sqjax.kmeans import KMeansConfig, assign, cluster_level_up, normalize, spherical_kmeans
+
+
+def _np_unit(x):
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def test_fixed_point_and_means_match_numpy(rng):
+    x = rng.normal(size=(2, 3, 300, 16)).astype(np.float32) * rng.uniform(0.5, 3.0, size=(2, 3, 300, 1)).astype(np.float32)
+    res = spherical_kmeans(jnp.asarray(x), KMeansConfig(12, max_iters=50, chunk=64))
+    labels = np.asarray(res.labels)
+    for i in range(2):
+        for h in range(3):
+            xi, lab = x[i, h], labels[i, h]
+            # counts and un-normalised means, computed independently
+            cnt = np.bincount(lab, minlength=12)
+            np.testing.assert_array_equal(np.asarray(res.counts[i, h]), cnt)
+            for c in range(12):
+                if cnt[c]:
+                    np.testing.assert_allclose(np.asarray(res.centroids[i, h, c]), xi[lab == c].mean(0), rtol=1e-4, atol=1e-5)
+                else:
+                    assert np.all(np.asarray(res.centroids[i, h, c]) == 0)
+            # converged (or capped): every point's label is its most cosine-similar unit centroid
+            if int(res.n_iters[i, h]) < 50:
+                sims = _np_unit(xi) @ np.asarray(res.unit_centroids[i, h]).T
+                best = sims.max(-1)
+                np.testing.assert_allclose(sims[np.arange(300), lab], best, atol=1e-5)
+
+
+def test_deterministic_under_seed_and_seed_matters(rng):
+    x = jnp.asarray(rng.normal(size=(200, 8)).astype(np.float32))
+    a = spherical_kmeans(x, KMeansConfig(10, seed=3))
+    b = spherical_kmeans(x, KMeansConfig(10, seed=3))
+    np.testing.assert_array_equal(np.asarray(a.labels), np.asarray(b.labels))
+    np.testing.assert_array_equal(np.asarray(a.centroids), np.asarray(b.centroids))
+
+
+def test_recovers_separated_directions(rng):
+    dirs = _np_unit(rng.normal(size=(5, 32)))
+    lab = rng.integers(0, 5, size=500)
+    x = dirs[lab] * rng.uniform(1, 4, size=(500, 1)) + 0.01 * rng.normal(size=(500, 32))
+    res = spherical_kmeans(jnp.asarray(x.astype(np.float32)), KMeansConfig(5, seed=int(rng.integers(1 << 30))))
+    got = np.asarray(res.labels)
+    # same partition up to renaming
+    for c in range(5):
+        assert len(set(got[lab == c])) == 1
+
+
+def test_empty_clusters_do_not_nan():
+    # 4 distinct points, 6 clusters: at least two clusters stay empty
+    x = jnp.asarray(np.repeat(np.eye(4, 8, dtype=np.float32), 5, axis=0))
+    res = spherical_kmeans(x, KMeansConfig(6))
+    assert not np.isnan(np.asarray(res.centroids)).any()
+    assert not np.isnan(np.asarray(res.unit_centroids)).any()
+    assert int(res.counts.sum()) == 20
+    assert int((res.counts == 0).sum()) >= 2
+
+
+def test_chunked_assign_equals_bruteforce(rng):
+    x = rng.normal(size=(1000, 24)).astype(np.float32)
+    c = _np_unit(rng.normal(size=(37, 24))).astype(np.float32)
+    got = np.asarray(assign(normalize(jnp.asarray(x)), jnp.asarray(c), chunk=96))
+    want = np.argmax(_np_unit(x) @ c.T, axis=-1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_level_up_counts_and_weighted_means(rng):
+    x = jnp.asarray(rng.normal(size=(2, 400, 8)).astype(np.float32))
+    lvl2 = spherical_kmeans(x, KMeansConfig(20))
+    parent, c1, n1 = cluster_level_up(lvl2.centroids, lvl2.counts, KMeansConfig(4))
+    for h in range(2):
+        par = np.asarray(parent[h])
+        cnt2 = np.asarray(lvl2.counts[h])
+        key_parent = par[np.asarray(lvl2.labels[h])]
+        np.testing.assert_array_equal(np.asarray(n1[h]), np.bincount(key_parent, minlength=4))
+        for p in range(4):
+            if (key_parent == p).any():
+                np.testing.assert_allclose(np.asarray(c1[h, p]), np.asarray(x[h])[key_parent == p].mean(0), rtol=1e-4, atol=1e-5)
+        assert cnt2.sum() == 400
+
+
+def test_errors():
+    x = jnp.zeros((10, 4))
+    with pytest.raises(ValueError, match="more centroids than points"):
+        spherical_kmeans(x, KMeansConfig(11))
+    with pytest.raises(ValueError, match="floating"):
+        spherical_kmeans(jnp.zeros((10, 4), jnp.int32), KMeansConfig(2))
+    with pytest.raises(ValueError, match=r"\[\.\.\., N, d\]"):
+        spherical_kmeans(jnp.zeros((10,)), KMeansConfig(2))
+    with pytest.raises(ValueError, match="n_clusters"):
+        KMeansConfig(0)

@@ -1,0 +1,285 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sqjax import baselines, quest, saap, snapkv
+from sqjax.attention import attend_partial, dense_attention, fixed_context_attention, merge_partials
+from sqjax.budget import account
+from sqjax.methods import (
+    ContextData, Full, HierarchicalSqueezed, Oracle, Quest, Saap, SnapKV, Squeezed, StreamingLLM, method_from_name,
+)
+from sqjax.selection import topk_mask
+
+
+def np_softmax(x, axis=-1):
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+# --------------------------------------------------------------------------------- attention
+
+def test_partials_merge_equals_dense(rng):
+    hq, hkv, t, s1, s2, d = 6, 2, 5, 40, 23, 8
+    q, k1, v1, k2, v2 = (rng.normal(size=sh).astype(np.float32) for sh in
+                         [(hq, t, d), (hkv, s1, d), (hkv, s1, d), (hkv, s2, d), (hkv, s2, d)])
+    m1 = rng.random((hkv, 1, s1)) < 0.5
+    m1[0] = False  # a head with nothing retrieved in set 1: the other set holds the softmax
+    m2 = np.ones((1, t, s2), bool)
+    parts = [attend_partial(*(jnp.asarray(a) for a in (q, k1, v1, m1)), 0.3),
+             attend_partial(*(jnp.asarray(a) for a in (q, k2, v2, m2)), 0.3)]
+    got = np.asarray(merge_partials(*parts).o)
+    # brute force: concatenate visible keys per head
+    g = hq // hkv
+    for h in range(hq):
+        kk = np.concatenate([k1[h // g][m1[h // g, 0]], k2[h // g]])
+        vv = np.concatenate([v1[h // g][m1[h // g, 0]], v2[h // g]])
+        p = np_softmax(0.3 * q[h] @ kk.T)
+        np.testing.assert_allclose(got[h], p @ vv, rtol=1e-5, atol=1e-6)
+
+
+def test_nothing_visible_gives_zero_not_nan():
+    q = jnp.ones((2, 1, 4))
+    k = jnp.ones((1, 3, 4))
+    p = attend_partial(q, k, k, jnp.zeros((1, 1, 3), bool), 1.0)
+    assert np.all(np.asarray(p.o) == 0) and np.all(np.isneginf(np.asarray(p.lse)))
+    m = merge_partials(p, p)
+    assert not np.isnan(np.asarray(m.o)).any()
+
+
+def test_attention_shape_errors():
+    with pytest.raises(ValueError, match=r"q must have shape \[Hq, T, d\]"):
+        attend_partial(jnp.zeros((2, 4)), jnp.zeros((1, 3, 4)), jnp.zeros((1, 3, 4)), None, 1.0)
+    with pytest.raises(ValueError, match="head dim"):
+        attend_partial(jnp.zeros((2, 1, 4)), jnp.zeros((1, 3, 8)), jnp.zeros((1, 3, 8)), None, 1.0)
+    with pytest.raises(ValueError, match="mask covers 2 keys but k has 3"):
+        attend_partial(jnp.zeros((2, 1, 4)), jnp.zeros((1, 3, 4)), jnp.zeros((1, 3, 4)), jnp.ones((1, 1, 2), bool), 1.0)
+
+
+# --------------------------------------------------------------------------------- QUEST
+
+def test_quest_bounds_and_upper_bound(rng):
+    hkv, hq, length, d, page = 2, 4, 101, 8, 16  # ragged last page
+    k = rng.normal(size=(hkv, length, d)).astype(np.float32)
+    q = rng.normal(size=(hq, 3, d)).astype(np.float32)
+    kmin, kmax = quest.page_bounds(jnp.asarray(k), page)
+    n_pages = -(-length // page)
+    assert kmin.shape == (hkv, n_pages, d)
+    for p in range(n_pages):
+        blk = k[:, p * page:(p + 1) * page]
+        np.testing.assert_array_equal(np.asarray(kmin[:, p]), blk.min(1))
+        np.testing.assert_array_equal(np.asarray(kmax[:, p]), blk.max(1))
+    u = np.asarray(quest.page_scores(jnp.asarray(q), kmin, kmax, vote="q"))  # [Hq, T, P]
+    g = hq // hkv
+    for h in range(hq):
+        for t in range(3):
+            dots = k[h // g] @ q[h, t]
+            for p in range(n_pages):
+                true_max = dots[p * page:(p + 1) * page].max()
+                assert u[h, t, p] >= true_max - 1e-5
+                want = np.sum(np.maximum(q[h, t] * np.asarray(kmax[h // g, p]), q[h, t] * np.asarray(kmin[h // g, p])))
+                np.testing.assert_allclose(u[h, t, p], want, rtol=1e-5, atol=1e-5)
+    ukv = np.asarray(quest.page_scores(jnp.asarray(q), kmin, kmax, vote="kv"))
+    np.testing.assert_allclose(ukv, u.reshape(hkv, g, 3, -1).max(1), rtol=1e-6)
+
+
+def test_quest_select_topk_with_forced_page(rng):
+    s = rng.normal(size=(3, 2, 20)).astype(np.float32)
+    s[..., 19] = -100.0
+    m = np.asarray(quest.select_pages(jnp.asarray(s), 5, forced_page=19))
+    assert np.all(m.sum(-1) == 5) and np.all(m[..., 19])
+    for i in range(3):
+        for t in range(2):
+            top4 = set(np.argsort(-s[i, t, :19])[:4].tolist())
+            assert set(np.nonzero(m[i, t, :19])[0].tolist()) == top4
+
+
+# --------------------------------------------------------------------------------- SnapKV
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_snapkv_matches_numpy_and_keeps_exactly_cap(rng, pool):
+    hkv, hq, length, d, w, cap = 2, 6, 120, 8, 8, 37
+    k = rng.normal(size=(hkv, length, d)).astype(np.float32)
+    qw = rng.normal(size=(hq, w, d)).astype(np.float32)
+    keep = np.asarray(snapkv.snapkv_keep(jnp.asarray(qw), jnp.asarray(k), cap, 0.35, kernel=7, pool=pool))
+    assert np.all(keep.sum(-1) == cap)
+    assert np.all(keep[:, -w:])
+    # numpy Listing 1
+    g = hq // hkv
+    votes = np.zeros((hq, length - w))
+    for h in range(hq):
+        logits = 0.35 * qw[h] @ k[h // g].T
+        for i in range(w):
+            logits[i, length - w + i + 1:] = -np.inf
+        votes[h] = np_softmax(logits)[:, : length - w].sum(0)
+    padded = np.pad(votes, ((0, 0), (3, 3)), constant_values=-np.inf if pool == "max" else 0.0)
+    win = np.lib.stride_tricks.sliding_window_view(padded, 7, axis=-1)
+    pooled = win.max(-1) if pool == "max" else win.sum(-1) / 7
+    pooled = pooled.reshape(hkv, g, -1).mean(1)
+    for h in range(hkv):
+        want = set(np.argsort(-pooled[h], kind="stable")[: cap - w].tolist())
+        got = set(np.nonzero(keep[h, : length - w])[0].tolist())
+        # ties aside, the same positions
+        assert len(got ^ want) == 0 or np.allclose(sorted(pooled[h][list(got)]), sorted(pooled[h][list(want)]))
+
+
+# --------------------------------------------------------------------------------- SAAP
+
+def test_saap_inverted_lists_partition_keys(rng):
+    hkv, n, c, d = 3, 500, 16, 8
+    k_pre = jnp.asarray(rng.normal(size=(hkv, n, d)).astype(np.float32))
+    cent = jnp.asarray(rng.normal(size=(hkv, c, d)).astype(np.float32))
+    labels = np.asarray(saap.assign_keys(k_pre, cent, chunk=64))
+    off, lst = (np.asarray(a) for a in saap.inverted_lists(jnp.asarray(labels), c))
+    for h in range(hkv):
+        assert off[h, 0] == 0 and off[h, -1] == n
+        assert sorted(lst[h].tolist()) == list(range(n)), "every key exactly once"
+        for b in range(c):
+            members = lst[h, off[h, b]:off[h, b + 1]]
+            assert np.all(labels[h, members] == b)
+        # nearest centroid by cosine, brute force
+        kn = np.asarray(k_pre[h]) / np.linalg.norm(np.asarray(k_pre[h]), axis=-1, keepdims=True)
+        cn = np.asarray(cent[h]) / np.linalg.norm(np.asarray(cent[h]), axis=-1, keepdims=True)
+        np.testing.assert_array_equal(labels[h], np.argmax(kn @ cn.T, -1))
+
+
+def test_saap_mask_buckets_plus_dense(rng):
+    hkv, hq, length, c, d = 2, 4, 300, 10, 8
+    labels = rng.integers(0, c, size=(hkv, length)).astype(np.int32)
+    q_pre = rng.normal(size=(hq, 3, d)).astype(np.float32)
+    cent = rng.normal(size=(hkv, c, d)).astype(np.float32)
+    scores = np.asarray(saap.nearest_centroid_scores(jnp.asarray(q_pre), jnp.asarray(cent)))
+    visited = np.asarray(saap.visited_buckets(jnp.asarray(scores), 3))
+    mask = np.asarray(saap.saap_mask(jnp.asarray(visited), jnp.asarray(labels), saap.dense_part(length, 1, 20)))
+    g = hq // hkv
+    for h in range(hkv):
+        for t in range(3):
+            qs = q_pre[h * g:(h + 1) * g, t]
+            cn = cent[h] / np.linalg.norm(cent[h], axis=-1, keepdims=True)
+            sc = ((qs / np.linalg.norm(qs, axis=-1, keepdims=True)) @ cn.T).sum(0)
+            top = np.argsort(-sc)[:3]
+            want = np.isin(labels[h], top)
+            want[0] = True
+            want[-20:] = True
+            np.testing.assert_array_equal(mask[h, t], want)
+
+
+# --------------------------------------------------------------------------------- oracle / streaming
+
+def test_oracle_picks_true_topk(rng):
+    hkv, hq, length, d = 2, 4, 200, 8
+    k = rng.normal(size=(hkv, length, d)).astype(np.float32)
+    q = rng.normal(size=(hq, 2, d)).astype(np.float32)
+    m = np.asarray(baselines.oracle_topk_mask(jnp.asarray(q), jnp.asarray(k), 0.5, 30, 10, "kv"))
+    assert np.all(m.sum(-1) == 40) and np.all(m[..., -10:])
+    g = hq // hkv
+    for h in range(hkv):
+        for t in range(2):
+            p = np.mean([np_softmax(0.5 * k[h] @ q[h * g + j, t]) for j in range(g)], axis=0)[:190]
+            assert set(np.nonzero(m[h, t, :190])[0].tolist()) == set(np.argsort(-p)[:30].tolist())
+
+
+def test_topk_mask_exact_count(rng):
+    x = jnp.asarray(rng.normal(size=(3, 4, 50)).astype(np.float32))
+    m = np.asarray(topk_mask(x, 7))
+    assert np.all(m.sum(-1) == 7)
+    assert np.asarray(topk_mask(x, 0)).sum() == 0
+
+
+def test_streaming_mask():
+    m = np.asarray(baselines.streaming_mask(50, 4, 6))
+    assert m.sum() == 10 and m[:4].all() and m[-6:].all()
+
+
+# --------------------------------------------------------------------------------- methods + accounting
+
+def _data(rng, n_layers=3, hkv=2, hq=4, length=700, d=16):
+    k = jnp.asarray(rng.normal(size=(n_layers, hkv, length, d)).astype(np.float32))
+    v = jnp.asarray(rng.normal(size=(n_layers, hkv, length, d)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(n_layers, hq, 100, d)).astype(np.float32))
+    return ContextData(k, v, q_obs, k_pre=k, scale=1 / math.sqrt(d))
+
+
+ALL = [
+    Full(), Squeezed(sparsity=0.7), Squeezed(sparsity=0.9, vote="q"),
+    HierarchicalSqueezed(centroid_fraction=0.1, level1_fraction=0.02), Quest(budget=0.2), SnapKV(budget=0.2),
+    StreamingLLM(budget=0.2), Oracle(budget=0.2), Saap(probes=3),
+]
+
+
+@pytest.mark.parametrize("method", ALL, ids=lambda m: m.label)
+def test_accounting_equals_rows_read(rng, method):
+    data = _data(rng)
+    index, _ = method.build(data)
+    q = jnp.asarray(rng.normal(size=(4, 5, 16)).astype(np.float32))
+    sels = [method.select(index, layer, q, q, data.k[layer]) for layer in range(data.n_layers)]
+    rep = account(sels, data.length, 16, 2, bytes_per_elem=2)
+    rows_read = []
+    for layer, s in enumerate(sels):
+        if s.mask is None:
+            rows = np.full((method.selection_heads(4, 2),), data.length, float)
+        else:
+            rows = np.asarray(s.mask).sum(-1).mean(-1)  # the rows attention reads
+        if s.retrieval is not None:
+            np.testing.assert_array_equal(np.asarray(s.retrieval.count), np.asarray(s.mask).sum(-1)[:, 0])
+        rows_read.append(rows)
+        np.testing.assert_allclose(rep.rows[layer], rows)
+    bytes_kv = 2 * np.sum(rows_read) * 16 * 2
+    bytes_meta = np.sum([np.asarray(s.meta_rows).mean(-1).sum() for s in sels]) * 16 * 2
+    np.testing.assert_allclose(rep.bytes_moved, bytes_kv + bytes_meta)
+    assert 0 < rep.overall <= 1.0 + 1e-9 or method.name == "quest"
+
+
+def test_squeezed_budget_formula():
+    # 90% sparsity with 5% centroids: 0.10 + 0.05/2 on the clustered part (Table 2)
+    m = Squeezed(sparsity=0.9, centroid_fraction=0.05, n_obs=100)
+    length = 100_100
+    assert abs(m.expected_budget(length) - ((0.1 * 100_000 + 100 + 2500) / length)) < 1e-9
+
+
+@pytest.mark.parametrize("method", [m for m in ALL if m.name != "full"], ids=lambda m: m.label)
+def test_all_keys_budget_reproduces_full(rng, method):
+    """At budget 1.0 (every key retrieved) each method equals full attention."""
+    full_versions = {
+        "squeezed": Squeezed(sparsity=0.5, capacity_fraction=1.0, vote=getattr(method, "vote", "kv")),
+        "hsqueezed": None, "quest": Quest(budget=1.0), "snapkv": SnapKV(budget=1.0),
+        "streaming": StreamingLLM(budget=1.0), "oracle": Oracle(budget=1.0), "saap": Saap(probes=10_000),
+    }
+    m = full_versions[method.name]
+    if m is None:
+        return
+    data = _data(rng)
+    index, _ = m.build(data)
+    q = jnp.asarray(rng.normal(size=(4, 5, 16)).astype(np.float32))
+    kn = jnp.asarray(rng.normal(size=(2, 5, 16)).astype(np.float32))
+    pos = jnp.arange(5) + data.length
+    for layer in range(data.n_layers):
+        if m.name == "squeezed":
+            # threshold below every score: everything retrieved
+            ret_all = m.select(index.__class__(index.layers, jnp.float32(-1.0), index.threshold1, index.n_tail, index.capacity), layer, q, q, data.k[layer])
+            sel = ret_all
+        else:
+            sel = m.select(index, layer, q, q, data.k[layer])
+        got = fixed_context_attention(q, data.k[layer], data.v[layer], sel.mask, kn, kn, pos, pos, 0.25)
+        want = fixed_context_attention(q, data.k[layer], data.v[layer], None, kn, kn, pos, pos, 0.25)
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 1e-5
+
+
+def test_method_errors():
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        method_from_name("nope")
+    with pytest.raises(ValueError, match="sparsity"):
+        Squeezed(sparsity=1.5)
+    with pytest.raises(ValueError, match="budget"):
+        Quest(budget=0.0)
+    with pytest.raises(ValueError, match="probes"):
+        Saap(probes=0)
+    with pytest.raises(ValueError, match=r"v shape \(1, 1, 5, 4\) must equal k shape \(1, 1, 6, 4\)"):
+        ContextData(jnp.zeros((1, 1, 6, 4)), jnp.zeros((1, 1, 5, 4)), jnp.zeros((1, 1, 2, 4)))
+    with pytest.raises(ValueError, match=r"k must have shape \[layers, Hkv, L, d\]"):
+        ContextData(jnp.zeros((1, 6, 4)), jnp.zeros((1, 6, 4)), jnp.zeros((1, 1, 2, 4)))
+    with pytest.raises(ValueError, match="de-roped keys"):
+        Saap().build(ContextData(jnp.zeros((1, 1, 6, 4)), jnp.zeros((1, 1, 6, 4)), jnp.zeros((1, 1, 2, 4))))

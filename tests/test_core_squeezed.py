@@ -1,0 +1,233 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sqjax import squeezed
+from sqjax.attention import dense_attention, fixed_context_attention
+from sqjax.calibration import global_threshold, key_scores
+from sqjax.squeezed import (
+    SqueezedConfig, build_squeezed_index, cluster_layout, cluster_scores, hierarchical_scores, lookup,
+    retrieval_mask, retrieve,
+)
+
+
+def np_eq1(q, cent, counts, scale, vote):
+    """Brute-force Eq. 1 averaged over tokens, voted. q [Hq,T,d], cent [Hkv,C,d] -> [Hs,C]."""
+    hq, hkv = q.shape[0], cent.shape[0]
+    g = hq // hkv
+    out = np.zeros((hq, cent.shape[1]))
+    for h in range(hq):
+        c, n = cent[h // g].astype(np.float64), counts[h // g]
+        for t in range(q.shape[1]):
+            x = scale * c @ q[h, t].astype(np.float64)
+            x = np.where(n > 0, x, -np.inf)
+            e = np.exp(x - x.max())
+            out[h] += np.where(n > 0, e / np.sum(n * e), 0.0)
+        out[h] /= q.shape[1]
+    return out.reshape(hkv, g, -1).mean(1) if vote == "kv" else out
+
+
+def np_eq3(q, c1, n1, c2, n2, parent, t1, scale, vote):
+    """Brute-force hierarchical scores (Eq. 2 then Eq. 3 over surviving level-2 clusters)."""
+    s1 = np_eq1(q, c1, n1, scale, vote)
+    hq, hkv = q.shape[0], c2.shape[0]
+    g = hq // hkv
+    hs = s1.shape[0]
+    per = hs // hkv
+    out = np.zeros((hq, c2.shape[1]))
+    for h in range(hq):
+        kv = h // g
+        s = h // g if vote == "kv" else h
+        alive = (s1[s] >= t1) & (n1[kv] > 0)
+        cand = alive[parent[kv]] & (n2[kv] > 0)
+        for t in range(q.shape[1]):
+            x = scale * c2[kv].astype(np.float64) @ q[h, t].astype(np.float64)
+            x = np.where(cand, x, -np.inf)
+            if not cand.any():
+                continue
+            e = np.where(cand, np.exp(x - x[cand].max()), 0)
+            out[h] += e / np.sum(n2[kv] * e)
+        out[h] /= q.shape[1]
+    return out.reshape(hkv, g, -1).mean(1) if vote == "kv" else out
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (3, 3), (6, 2)])
+def test_eq1_matches_numpy(rng, vote, hq, hkv):
+    t, c, d = int(rng.integers(1, 7)), int(rng.integers(3, 40)), 16
+    q = rng.normal(size=(hq, t, d)).astype(np.float32)
+    cent = (2 * rng.normal(size=(hkv, c, d))).astype(np.float32)
+    counts = rng.integers(0, 9, size=(hkv, c)).astype(np.int32)
+    counts[:, 0] = 0  # an empty cluster scores 0
+    got = np.asarray(cluster_scores(jnp.asarray(q), jnp.asarray(cent), jnp.asarray(counts), 0.3, vote))
+    want = np_eq1(q, cent, counts, 0.3, vote)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert np.all(got[:, 0] == 0)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_hierarchical_matches_numpy(rng, vote):
+    hq, hkv, t, d, c2, c1 = 4, 2, 3, 8, 30, 6
+    q = rng.normal(size=(hq, t, d)).astype(np.float32)
+    c2v = rng.normal(size=(hkv, c2, d)).astype(np.float32)
+    n2 = rng.integers(1, 6, size=(hkv, c2)).astype(np.int32)
+    parent = rng.integers(0, c1, size=(hkv, c2)).astype(np.int32)
+    c1v = rng.normal(size=(hkv, c1, d)).astype(np.float32)
+    n1 = np.stack([np.bincount(parent[h], weights=n2[h], minlength=c1) for h in range(hkv)]).astype(np.int32)
+    t1 = float(rng.uniform(0.0, 0.1))
+    got = hierarchical_scores(*(jnp.asarray(a) for a in (q, c1v, n1, c2v, n2, parent)), t1, 0.5, vote)
+    want = np_eq3(q, c1v, n1, c2v, n2, parent, t1, 0.5, vote)
+    np.testing.assert_allclose(np.asarray(got.scores), want, rtol=1e-5, atol=1e-7)
+    n_cand = np.asarray(got.survivors).sum(-1)
+    np.testing.assert_array_equal(np.asarray(got.n_touched), c1 + n_cand)
+
+
+def test_hierarchical_with_zero_level1_threshold_is_one_level(rng):
+    hkv, hq, length, d = 2, 4, 900, 16
+    k = jnp.asarray(rng.normal(size=(1, hkv, length, d)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(1, hq, 100, d)).astype(np.float32))
+    cfg = SqueezedConfig(hierarchical=True, centroid_fraction=0.05, level1_fraction=0.01)
+    idx, _ = build_squeezed_index(k, q_obs, cfg, 0.25)
+    li = idx.layer(0)
+    q = jnp.asarray(rng.normal(size=(hq, 5, d)).astype(np.float32))
+    h = hierarchical_scores(q, li.centroids1, li.counts1, li.centroids, li.counts, li.parent, 0.0, 0.25)
+    one = cluster_scores(q, li.centroids, li.counts, 0.25)
+    np.testing.assert_allclose(np.asarray(h.scores), np.asarray(one), rtol=1e-5, atol=1e-8)
+
+
+def np_retrieve(selected, scores, counts, labels, n_tail, capacity):
+    """Brute force: keys of selected clusters, dropping lowest-score clusters when over capacity."""
+    lc = labels.shape[0]
+    order = sorted([c for c in range(len(selected)) if selected[c]], key=lambda c: -scores[c])
+    kept, total, overflow = [], 0, False
+    for c in order:
+        if total + counts[c] <= capacity - n_tail and not overflow:
+            kept.append(c)
+            total += counts[c]
+        else:
+            overflow = True
+    keys = set(np.nonzero(np.isin(labels, kept))[0].tolist()) | set(range(lc, lc + n_tail))
+    return keys, overflow
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_retrieve_matches_numpy(rng, vote):
+    hkv, c, lc, n_tail = 2, 17, 150, 7
+    hs = hkv if vote == "kv" else 2 * hkv
+    labels = rng.integers(0, c, size=(hkv, lc)).astype(np.int32)
+    counts = np.stack([np.bincount(labels[h], minlength=c) for h in range(hkv)]).astype(np.int32)
+    perm, offsets = cluster_layout(jnp.asarray(labels), c)
+    selected = rng.random((hs, c)) < 0.4
+    scores = rng.random((hs, c)).astype(np.float32)
+    for capacity in (n_tail + lc, n_tail + 40, n_tail):
+        ret = retrieve(jnp.asarray(selected), jnp.asarray(scores), jnp.asarray(counts), perm, offsets, n_tail, capacity)
+        for s in range(hs):
+            kv = s * hkv // hs
+            want, over = np_retrieve(selected[s], scores[s], counts[kv], labels[kv], n_tail, capacity)
+            got = np.asarray(ret.idx[s, : int(ret.count[s])])
+            assert len(got) == len(set(got.tolist())), "no duplicates"
+            assert set(got.tolist()) == want
+            assert bool(ret.overflow[s]) == over
+            assert np.all(got[:n_tail] == np.arange(lc, lc + n_tail)), "exact tail first"
+
+
+def _setup(rng, hq=4, hkv=2, length=1200, d=16, hierarchical=False, sparsity=0.9):
+    k = jnp.asarray(rng.normal(size=(2, hkv, length, d)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(2, hq, 100, d)).astype(np.float32))
+    cfg = SqueezedConfig(sparsity=sparsity, hierarchical=hierarchical)
+    idx, info = build_squeezed_index(k, q_obs, cfg, 1 / math.sqrt(d))
+    return k, idx, info
+
+
+def test_retrieve_everything_reproduces_dense(rng):
+    hq, hkv, length, d = 4, 2, 1200, 16
+    k, idx, _ = _setup(rng, hq, hkv, length, d)
+    v = jnp.asarray(rng.normal(size=(hkv, length, d)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(hq, 6, d)).astype(np.float32))
+    ret, _ = lookup(idx.layer(0), q, -1.0, 0.0, scale=0.25, vote="kv", n_tail=100, capacity=length)
+    assert np.all(np.asarray(ret.count) == length)
+    k_new = jnp.asarray(rng.normal(size=(hkv, 8, d)).astype(np.float32))
+    v_new = jnp.asarray(rng.normal(size=(hkv, 8, d)).astype(np.float32))
+    q_pos = jnp.arange(6) + length
+    kv_pos = jnp.concatenate([jnp.arange(6) + length, -jnp.ones(2, jnp.int32)])
+    got = fixed_context_attention(q, k[0], v, retrieval_mask(ret, length)[:, None], k_new, v_new, q_pos, kv_pos, 0.25)
+    full_k = jnp.concatenate([k[0], k_new], 1)
+    full_v = jnp.concatenate([v, v_new], 1)
+    want = dense_attention(q, full_k, full_v, q_pos, jnp.concatenate([jnp.arange(length), kv_pos]), 0.25)
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert rel <= 1e-5
+
+
+def test_lower_threshold_never_shrinks(rng):
+    _, idx, _ = _setup(rng)
+    q = jnp.asarray(rng.normal(size=(4, 3, 16)).astype(np.float32))
+    prev = None
+    for t in np.sort(rng.uniform(0, 0.01, size=6))[::-1]:
+        ret, _ = lookup(idx.layer(1), q, float(t), 0.0, scale=0.25, vote="kv", n_tail=100, capacity=1200)
+        m = np.asarray(retrieval_mask(ret, 1200))
+        if prev is not None:
+            assert np.all(m >= prev)
+        prev = m
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_calibrated_sparsity_on_held_out_queries(rng, hierarchical):
+    """Keys and queries from one distribution (clustered directions); blocks of 100 queries."""
+    hq, hkv, length, d, n_layers = 4, 2, 2100, 16, 2
+    dirs = rng.normal(size=(n_layers, hkv, 24, d))
+    lab = rng.integers(0, 24, size=(n_layers, hkv, length))
+    k = np.take_along_axis(dirs, lab[..., None], axis=2) + 0.5 * rng.normal(size=(n_layers, hkv, length, d))
+
+    def queries():
+        qd = rng.normal(size=(n_layers, hkv, 1, 1, d))
+        return (np.repeat(qd, hq // hkv, axis=2).reshape(n_layers, hq, 1, d) + rng.normal(size=(n_layers, hq, 100, d))).astype(np.float32)
+
+    cal = [queries() for _ in range(8)]
+    cfg = SqueezedConfig(sparsity=0.8, hierarchical=hierarchical, centroid_fraction=0.05, level1_fraction=0.01)
+    scale = 1 / math.sqrt(d)
+    # calibrate on several blocks (stacked along the query axis would average them: keep blocks separate)
+    idx, _ = build_squeezed_index(jnp.asarray(k.astype(np.float32)), jnp.asarray(cal[0]), cfg, scale)
+    per_key = []
+    for block in cal:
+        for layer in range(n_layers):
+            li = idx.layer(layer)
+            s, _ = squeezed.layer_scores(li, jnp.asarray(block[layer]), idx.threshold1, scale, "kv")
+            per_key.append(key_scores(s, li.labels))
+    t = global_threshold(per_key, 0.8)
+    fracs = []
+    for _ in range(8):
+        block = queries()
+        for layer in range(n_layers):
+            li = idx.layer(layer)
+            s, _ = squeezed.layer_scores(li, jnp.asarray(block[layer]), idx.threshold1, scale, "kv")
+            fracs.append(float(jnp.mean(key_scores(s, li.labels) > t)))
+    assert abs((1 - np.mean(fracs)) - 0.8) <= 0.02
+
+
+def test_hierarchical_touches_fewer_centroids(rng):
+    k, idx, _ = _setup(rng, length=4100, hierarchical=True)
+    q = jnp.asarray(rng.normal(size=(4, 1, 16)).astype(np.float32))
+    ret, touched = lookup(idx.layer(0), q, idx.threshold, idx.threshold1, scale=0.25, vote="kv", n_tail=100, capacity=idx.capacity)
+    assert np.all(np.asarray(touched) < idx.layer(0).centroids.shape[1])
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="sparsity"):
+        SqueezedConfig(sparsity=1.0)
+    with pytest.raises(ValueError, match="sparsity"):
+        SqueezedConfig(sparsity=0.0)
+    with pytest.raises(ValueError, match="vote"):
+        SqueezedConfig(vote="x")
+    with pytest.raises(ValueError, match="more centroids than keys"):
+        SqueezedConfig(n_centroids=50).n_clusters(40)
+    with pytest.raises(ValueError, match="exact tail"):
+        build_squeezed_index(jnp.zeros((1, 1, 100, 4)), jnp.zeros((1, 1, 100, 4)), SqueezedConfig(), 0.5)
+    with pytest.raises(ValueError, match=r"q must have shape \[Hq, T, d\]"):
+        cluster_scores(jnp.zeros((2, 4)), jnp.zeros((1, 3, 4)), jnp.ones((1, 3), jnp.int32), 1.0)
+    with pytest.raises(ValueError, match="head dim"):
+        cluster_scores(jnp.zeros((2, 1, 4)), jnp.zeros((1, 3, 8)), jnp.ones((1, 3), jnp.int32), 1.0)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        cluster_scores(jnp.zeros((3, 1, 4)), jnp.zeros((2, 3, 4)), jnp.ones((2, 3), jnp.int32), 1.0)
