@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sqjax import index_io
-from sqjax.attention import fixed_context_attention
+from sqjax import dispatch, index_io
 from sqjax.budget import account
 from sqjax.methods import ContextData, Full, Method, Saap, method_from_name
 from sqjax.selection import Selection
@@ -53,6 +52,7 @@ class SparseAttentionHook:
     method: Method
     inv_freq: tuple[float, ...]  # RoPE frequencies (for de-roped queries, SAAP)
     needs_q_pre: bool = False
+    backend: str = "auto"        # kernels: see sqjax.dispatch
 
     def __call__(self, layer, q, cache_k, cache_v, q_pos, kv_pos, state):
         from models.rope import remove_rope
@@ -64,11 +64,13 @@ class SparseAttentionHook:
         def one(qb, qpre_b, ckb, cvb, qpb, kpb):
             qh = jnp.swapaxes(qb, 0, 1)  # [Hq, T, d]
             qpre_h = None if qpre_b is None else jnp.swapaxes(qpre_b, 0, 1)
-            sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=qpb >= 0)
-            o = fixed_context_attention(qh, k_fix, v_fix, sel.mask, ckb, cvb, qpb, kpb, scale)
+            q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks
+            sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=q_valid)
+            o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale)
             return jnp.swapaxes(o, 0, 1)
 
-        return jax.vmap(one)(q, q_pre, cache_k, cache_v, q_pos, kv_pos)
+        with dispatch.using(self.backend):
+            return jax.vmap(one)(q, q_pre, cache_k, cache_v, q_pos, kv_pos)
 
 
 @jax.jit
@@ -355,6 +357,7 @@ class FixedContext:
         header = {
             "model_fingerprint": self.model.fingerprint,
             "model_name": self.model.name,
+            "model_source": getattr(self.model, "source", None),
             "tokenizer": getattr(self.model.tokenizer, "name", None),
             "method": {"name": self.method.name, "params": _method_params(self.method)},
             "document": {"n_tokens": self.n_tokens, "sha256": self.doc_sha256, "chat": self.chat,

@@ -151,6 +151,27 @@ def save_index(path, tree, header: dict) -> None:
     write_atomic(path, lambda tmp: save_file(stored, tmp, metadata=meta))
 
 
+def read_header(path) -> dict:
+    """The JSON header of a `.sqx` file (no arrays read, nothing verified but the format)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"index file {str(path)!r} not found; build one with `sqjax index DOC.txt -o {path}`")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise IndexFileError(f"{path} is not a sqjax index file")
+        return json.loads(meta["header"])
+    except IndexFileError:
+        raise
+    except Exception as e:
+        raise IndexFileError(
+            f"{path} is not a readable sqjax index (corrupted or truncated: {e}); rebuild it with `sqjax index`"
+        ) from None
+
+
 def load_index(path, expected_fingerprint: str | None = None) -> tuple[object, dict]:
     """Read and verify a `.sqx` file -> (tree, header)."""
     from safetensors import safe_open

@@ -69,7 +69,8 @@ def _pad_rows(x: jax.Array, chunk: int) -> tuple[jax.Array, int]:
 def assign(xn: jax.Array, cn: jax.Array, chunk: int) -> jax.Array:
     """Label of each unit point = argmax_c xn·cn, chunked over points.  xn [N,d], cn [C,d] -> [N]."""
     n = xn.shape[0]
-    chunk = min(chunk, n)
+    n_chunks = -(-n // min(chunk, n))
+    chunk = -(-n // n_chunks)  # balanced chunks: little padding
     xp, _ = _pad_rows(xn, chunk)
     blocks = xp.reshape(-1, chunk, xn.shape[-1])
     labels = jax.lax.map(lambda b: jnp.argmax(b @ cn.T, axis=-1).astype(jnp.int32), blocks)
@@ -87,12 +88,14 @@ def _kmeans_pp(xn: jax.Array, n_clusters: int, key: jax.Array) -> jax.Array:
     def body(i, carry):
         centers, dist, key = carry
         key, sub = jax.random.split(key)
+        # Inverse-CDF draw proportional to D² (one uniform per step: cheap on CPU too).
         # Points already chosen have D² = 0 and are never drawn again; if every D² is 0
         # (fewer distinct points than clusters) fall back to a uniform draw.
-        total = jnp.sum(dist)
-        logits = jnp.where(total > 0, jnp.log(jnp.maximum(dist, 1e-30)), 0.0)
-        logits = jnp.where((total > 0) & (dist <= 0), -jnp.inf, logits)
-        idx = jax.random.categorical(sub, logits)
+        cdf = jnp.cumsum(dist)
+        total = cdf[-1]
+        u = jax.random.uniform(sub, (), jnp.float32)
+        idx_d2 = jnp.searchsorted(cdf, u * total, side="right")
+        idx = jnp.where(total > 0, jnp.minimum(idx_d2, n - 1), jnp.minimum((u * n).astype(jnp.int32), n - 1))
         c = xn[idx]
         centers = centers.at[i].set(c)
         dist = jnp.minimum(dist, jnp.maximum(2.0 - 2.0 * (xn @ c), 0.0))
@@ -136,10 +139,10 @@ def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) ->
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _spherical_kmeans_jit(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
+def _spherical_kmeans_jit(x: jax.Array, seed: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     batch_shape = x.shape[:-2]
     flat = x.reshape((-1,) + x.shape[-2:])
-    keys = jax.random.split(jax.random.key(cfg.seed), flat.shape[0])
+    keys = jax.random.split(jax.random.key(seed), flat.shape[0])
     out = jax.vmap(lambda xi, ki: _spherical_kmeans_single(xi, ki, cfg))(flat, keys)
     return jax.tree.map(lambda a: a.reshape(batch_shape + a.shape[1:]), out)
 
@@ -158,7 +161,8 @@ def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
         raise ValueError(
             f"more centroids than points: n_clusters={cfg.n_clusters} > N={n} (x shape {tuple(x.shape)})"
         )
-    return _spherical_kmeans_jit(x, cfg)
+    # the seed is traced, so configs that differ only in seed share one compilation
+    return _spherical_kmeans_jit(x, jnp.uint32(cfg.seed), dataclasses.replace(cfg, seed=0))
 
 
 def cluster_level_up(

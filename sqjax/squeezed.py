@@ -106,6 +106,12 @@ def cluster_scores(
     """Eq. 1 averaged over the T query tokens (and over the group when vote="kv").  -> [Hs, C] f32."""
     _check_lookup_inputs(q, centroids, counts)
     _check_vote(vote)
+    if q_valid is None:  # the kernels average over every token
+        from sqjax import dispatch
+
+        s = dispatch.cluster_scores(q, centroids, counts, scale, vote)
+        if s is not None:
+            return s
     logits = _group_logits(q, centroids, scale)  # [Hkv, g, T, C]
     w = counts.astype(jnp.float32)[:, None, None, :]
     s = _normalised_scores(logits, w, (counts > 0)[:, None, None, :])
@@ -395,21 +401,26 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
             f"fixed context of {length} tokens is not longer than the exact sink + tail ({cfg.n_sink} + {cfg.n_obs})"
         )
     c2, c1 = cfg.n_clusters(lc)
+    # Layers are clustered in groups whose similarity blocks stay under ~1 GB (heads vmapped).
+    chunk = 4096
+    per_layer_bytes = 4 * hkv * (min(chunk, lc) * c2 + 2 * lc * d)
+    group = max(1, min(n_layers, (1 << 30) // max(per_layer_bytes, 1)))
     out = []
-    for layer in range(n_layers):  # one layer at a time bounds memory (heads are vmapped)
-        keys = k[layer, :, cfg.n_sink:cfg.n_sink + lc]
-        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, seed=cfg.seed + layer))
+    for start in range(0, n_layers, group):
+        keys = k[start:start + group, :, cfg.n_sink:cfg.n_sink + lc]
+        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start))
         perm, offsets = cluster_layout(km.labels, c2)
+        g = keys.shape[0]
         if c1:
             parent, cent1, cnt1 = cluster_level_up(
-                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + layer)
+                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start)
             )
         else:
-            parent = jnp.zeros((hkv, c2), jnp.int32)
-            cent1 = jnp.zeros((hkv, 0, d), jnp.float32)
-            cnt1 = jnp.zeros((hkv, 0), jnp.int32)
+            parent = jnp.zeros((g, hkv, c2), jnp.int32)
+            cent1 = jnp.zeros((g, hkv, 0, d), jnp.float32)
+            cnt1 = jnp.zeros((g, hkv, 0), jnp.int32)
         out.append(SqueezedLayerIndex(km.centroids, km.counts, km.labels, perm, offsets, cent1, cnt1, parent))
-    return jax.tree.map(lambda *a: jnp.stack(a), *out)
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *out)
 
 
 def build_squeezed_index(

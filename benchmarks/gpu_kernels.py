@@ -1,0 +1,641 @@
+"""GPU checks and timings of the ``pallas_kernels`` ops (Squeezed Attention and peers).
+
+    python -m benchmarks.gpu_kernels --out DIR [--quick] [--cpu-smoke]
+        [--lengths 131072,524288] [--skip-checks] [--no-sweep] [--budget-s 450]
+
+(a) Correctness: every op compiled (backend="pallas") against its plain-jnp
+    reference in bf16 at a few shapes (ragged sizes, an empty head, GQA 4:1, both
+    vote modes, poisoned rows that must never be read); PASS/FAIL + max rel error.
+(b) Speed at the Llama-3-8B attention shape (Hq=32, Hkv=8, d=128, bf16), fixed
+    context L in {128K, 512K}: decode (1 token, 1K-token user input so far) and
+    prefill (1K and 4K query tokens) at 90% sparsity with 5% centroids.  Per case:
+    centroid lookup, sparse attention (in-kernel gather; a few tile configs, best
+    reported), the whole pipeline in one jit (lookup -> clusters_to_indices ->
+    sparse attention), for prefill also gather-then-cuDNN, and the dense baseline
+    ``jax.nn.dot_product_attention(implementation="cudnn")`` over all L + S keys,
+    measured in the same run; ratio = dense / pipeline.
+(c) Bytes moved and achieved TB/s of the sparse decode kernel and the decode
+    lookup vs a measured device-to-device copy bandwidth.
+
+Timing: every function is compiled and warmed up on each of 3 input sets (query,
+centroids, indices, new part rotate so L2 does not flatter; the big K/V are
+shared, they never fit in L2); then the median over repetitions of the mean time
+of back-to-back calls cycling over the 3 sets, each repetition ending in
+``jax.block_until_ready``.  Failures are caught per case.  Writes
+``DIR/gpu_kernels.json`` and ``DIR/gpu_kernels.md`` and prints the markdown last.
+
+``--cpu-smoke`` runs the same plumbing on CPU at tiny shapes (kernels in Pallas
+interpret mode, XLA dense attention) -- used by the tests; its numbers mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
+                            centroid_lookup_prefill, centroid_lookup_reference, children_csr,
+                            clusters_to_indices, gather_then_dense_attention,
+                            hierarchical_lookup_decode, hierarchical_lookup_prefill,
+                            hierarchical_lookup_reference, quest_decode_attention,
+                            quest_decode_attention_reference, quest_page_minmax,
+                            quest_page_scores, quest_page_scores_reference, quest_select,
+                            saap_attention, saap_attention_reference, sparse_attention,
+                            sparse_attention_reference)
+
+BF16 = jnp.bfloat16
+
+
+@dataclasses.dataclass
+class Plan:
+  backend: str                       # kernels: "pallas" (GPU) or "interpret" (CPU smoke)
+  dense_impl: str                    # "cudnn" or "xla"
+  hq: int = 32
+  hkv: int = 8
+  d: int = 128
+  lengths: tuple[int, ...] = (131072, 524288)
+  phases: tuple[tuple[str, int, int], ...] = (("decode", 1, 1024), ("prefill_1k", 1024, 1024),
+                                              ("prefill_4k", 4096, 4096))
+  sparsity: float = 0.9
+  centroid_frac: float = 0.05
+  reps: int = 7
+  inner_decode: int = 20
+  inner_prefill: int = 2
+  n_sets: int = 3
+  sweep: bool = True
+  copy_bytes: int = 1 << 30
+  checks: str = "full"               # "full" | "quick" | "smoke" | "none"
+  check_scale: str = "gpu"           # "gpu" | "tiny"
+  budget_s: float = 450.0
+
+
+def make_plan(args) -> Plan:
+  if args.cpu_smoke:
+    plan = Plan(backend="interpret", dense_impl="xla", hq=4, hkv=2, d=32, lengths=(512,),
+                phases=(("decode", 1, 16), ("prefill_16", 16, 16)), reps=1, inner_decode=1,
+                inner_prefill=1, n_sets=2, sweep=False, copy_bytes=1 << 20, checks="smoke",
+                check_scale="tiny", budget_s=600.0)
+  elif args.quick:
+    plan = Plan(backend="pallas", dense_impl="cudnn", lengths=(131072,),
+                phases=(("decode", 1, 1024), ("prefill_1k", 1024, 1024)), reps=3,
+                inner_decode=10, inner_prefill=1, sweep=False, checks="quick",
+                budget_s=150.0)
+  else:
+    plan = Plan(backend="pallas", dense_impl="cudnn")
+  if args.lengths:
+    plan.lengths = tuple(int(x) for x in args.lengths.split(","))
+  if args.skip_checks:
+    plan.checks = "none"
+  if args.no_sweep:
+    plan.sweep = False
+  if args.budget_s:
+    plan.budget_s = float(args.budget_s)
+  return plan
+
+
+# ----------------------------------------------------------------------------
+# Helpers.
+# ----------------------------------------------------------------------------
+def short_error(e: BaseException) -> str:
+  msg = f"{type(e).__name__}: {e}"
+  return msg if len(msg) < 600 else msg[:600] + " ..."
+
+
+def time_fn(fn: Callable, sets: list[tuple], *, reps: int, inner: int) -> float:
+  """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls."""
+  for s in sets:                                   # compile + warm up every input set
+    jax.block_until_ready(fn(*s))
+  jax.block_until_ready(fn(*sets[0]))
+  samples = []
+  k = 0
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(inner):
+      out = fn(*sets[k % len(sets)])
+      k += 1
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner)
+  return statistics.median(samples) * 1e3
+
+
+def rel_err(a, b) -> float:
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  fin = np.isfinite(b)
+  if not np.isfinite(a[fin]).all():
+    return float("inf")
+  denom = max(float(np.max(np.abs(b[fin]))) if fin.any() else 0.0, 1e-30)
+  return float(np.max(np.abs(a[fin] - b[fin]))) / denom if fin.any() else 0.0
+
+
+def git_commit() -> tuple[str, bool]:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                         timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+  except Exception:  # noqa: BLE001 - no git is fine
+    return "uncommitted", True
+  if not sha:
+    return "uncommitted", True
+  return (sha if not dirty else "uncommitted"), bool(dirty)
+
+
+def device_name() -> str:
+  dev = jax.devices()[0]
+  return f"{dev.platform}:{getattr(dev, 'device_kind', str(dev))}"
+
+
+# ----------------------------------------------------------------------------
+# Synthetic inputs.
+# ----------------------------------------------------------------------------
+def synth_clusters(key, hkv, num_l, num_c):
+  """Random cluster labels -> (counts [Hkv, C], offsets [Hkv, C + 1], keys [Hkv, L])."""
+  labels = jax.random.randint(key, (hkv, num_l), 0, num_c)
+  keys = jnp.argsort(labels, axis=1, stable=True).astype(jnp.int32)
+  counts = jax.vmap(lambda x: jnp.bincount(x, length=num_c))(labels).astype(jnp.int32)
+  offs = jnp.concatenate([jnp.zeros((hkv, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)
+  return counts, offs.astype(jnp.int32), keys
+
+
+def synth_retrieval(key, hs, num_l, keep):
+  """Per-head counts around keep*L (+-50%), sorted random positions; static cap."""
+  cap = int(math.ceil(keep * 1.5 * num_l / 256) * 256)
+  cap = min(cap, num_l) if num_l >= 256 else num_l
+  k1, k2 = jax.random.split(key)
+  u = jax.random.uniform(k1, (hs,), minval=-1.0, maxval=1.0)
+  counts = jnp.clip(jnp.round(keep * num_l * (1 + 0.5 * u)), 0, cap).astype(jnp.int32)
+  idx = jnp.sort(jax.random.randint(k2, (hs, cap), 0, num_l), axis=1).astype(jnp.int32)
+  return idx, counts, cap
+
+
+def calibrate_threshold(scores, counts_for_rows, keep):
+  """Global threshold so that about `keep` of all keys fall in selected clusters."""
+  s = np.asarray(scores, np.float64).reshape(-1)
+  n = np.asarray(counts_for_rows, np.float64).reshape(-1)
+  order = np.argsort(-s)
+  cum = np.cumsum(n[order])
+  i = int(np.searchsorted(cum, keep * n.sum()))
+  i = min(i, len(order) - 1)
+  return np.float32(s[order[i]])
+
+
+# ----------------------------------------------------------------------------
+# (a) Correctness checks.
+# ----------------------------------------------------------------------------
+def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poison):
+  q = rng.normal(size=(hq, seq_len, d))
+  k = rng.normal(size=(hkv, num_l, d))
+  v = rng.normal(size=(hkv, num_l, d))
+  cent = rng.normal(size=(hkv, num_c, d))
+  ccnt = rng.integers(1, 40, size=(hkv, num_c))
+  ccnt[rng.random((hkv, num_c)) < 0.2] = 0
+  ccnt[-1] = 0                                                  # a KV head with no cluster
+  counts = rng.integers(cap // 3, cap + 1, size=(hs,))
+  counts[0] = 0                                                 # a head with nothing
+  idx = np.stack([np.sort(rng.choice(num_l, size=cap, replace=False)) for _ in range(hs)])
+  idx = np.where(np.arange(cap)[None] < counts[:, None], idx, -7)
+  if poison:                                                    # never-read rows are NaN
+    used = np.zeros((hkv, num_l), bool)
+    for s in range(hs):
+      used[s // (hs // hkv), idx[s, :counts[s]]] = True
+    k[~used] = np.nan
+    v[~used] = np.nan
+  kn = rng.normal(size=(hkv, num_s, d))
+  vn = rng.normal(size=(hkv, num_s, d))
+  kvp = num_l + np.arange(num_s)
+  kvp[rng.random(num_s) < 0.2] = -1
+  qp = num_l + max(num_s - seq_len, 0) + np.arange(seq_len)
+  b = lambda x: jnp.asarray(x, BF16)
+  i = lambda x: jnp.asarray(x, jnp.int32)
+  return dict(q=b(q), k=b(k), v=b(v), cent=b(cent), ccnt=i(ccnt), idx=i(idx), counts=i(counts),
+              kn=b(kn), vn=b(vn), qp=i(qp), kvp=i(kvp))
+
+
+def run_checks(plan: Plan, log) -> list[dict]:
+  if plan.checks == "none":
+    return []
+  be = plan.backend
+  if plan.check_scale == "gpu":
+    hq, hkv, d, num_l, num_c, seq_len, num_s, cap = 32, 8, 128, 3001, 150, 100, 77, 700
+  else:
+    hq, hkv, d, num_l, num_c, seq_len, num_s, cap = 4, 2, 32, 97, 21, 9, 7, 30
+  rng = np.random.default_rng(1234)
+  scale = d ** -0.5
+  results = []
+
+  def check(name, fn, tol):
+    t0 = time.perf_counter()
+    rec = {"name": name, "tol": tol}
+    try:
+      with jax.default_matmul_precision("highest"):
+        err, extra = fn()
+      rec.update(status="PASS" if err <= tol else "FAIL", max_rel_err=err, **extra)
+    except Exception as e:  # noqa: BLE001 - report and continue
+      rec.update(status="ERROR", error=short_error(e))
+      traceback.print_exc(file=sys.stderr)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    log(f"[check] {rec['status']:5s} {name:44s} max_rel_err={rec.get('max_rel_err', float('nan')):.3g}"
+        f" (tol {tol}) {rec.get('error', '')}")
+    results.append(rec)
+
+  def lookup_case(vote, prefill):
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
+    q = x["q"] if prefill else x["q"][:, 0]
+    _, ref = centroid_lookup_reference(q, x["cent"], x["ccnt"], 0.0, scale=scale, vote=vote)
+    thr = np.float32(np.quantile(np.asarray(ref)[np.asarray(ref) > 0], 0.8))
+    f = centroid_lookup_prefill if prefill else centroid_lookup_decode
+    sel, sc = f(q, x["cent"], x["ccnt"], thr, scale=scale, vote=vote, backend=be)
+    far = np.abs(np.asarray(ref) - thr) > 1e-3 * float(np.max(ref))
+    flips = int(np.sum((np.asarray(sel) != (np.asarray(ref) > thr)) & far))
+    err = rel_err(sc, ref)
+    return (err if flips == 0 else float("inf")), {"selection_flips": flips}
+
+  def attn_case(seq_len_, hs, poison, fn=sparse_attention, **kw):
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hs, poison=poison)
+    args = (x["q"], x["k"], x["v"], x["idx"], x["counts"], x["kn"], x["vn"], x["qp"], x["kvp"])
+    out, lse = fn(*args, scale=scale, return_lse=True, backend=be, **kw)
+    ref, rlse = sparse_attention_reference(*args, scale=scale, return_lse=True)
+    nan = bool(np.isnan(np.asarray(out, np.float32)).any())
+    return (float("inf") if nan else rel_err(out, ref)), {"lse_err": rel_err(lse, rlse)}
+
+  def hier_case(vote, prefill):
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
+    c1n = max(2, num_c // 5)
+    parent = jnp.asarray(rng.integers(0, c1n, size=(hkv, num_c)), jnp.int32)
+    c1 = jnp.asarray(rng.normal(size=(hkv, c1n, d)), BF16)
+    n1 = jax.vmap(lambda p, n: jnp.zeros(c1n, jnp.int32).at[p].add(n))(parent, x["ccnt"])
+    off, ch = children_csr(parent, c1n)
+    q = x["q"] if prefill else x["q"][:, 0]
+    t1 = np.float32(0.5 / c1n)
+    args = (q, c1, n1, x["cent"], x["ccnt"], off, ch, t1, np.float32(1.0 / num_c))
+    f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
+    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be)
+    rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
+    touched_diff = int(np.abs(np.asarray(nt) - np.asarray(rnt)).max())
+    return rel_err(sc, rsc), {"n_touched_max_diff": touched_diff}
+
+  def quest_case():
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, 1, num_s, cap, hkv, poison=False)
+    q = x["q"][:, 0]
+    mn, mx = quest_page_minmax(x["k"], 16)
+    sc = quest_page_scores(q, mn, mx, vote="kv", backend=be)
+    e1 = rel_err(sc, quest_page_scores_reference(q, mn, mx, vote="kv"))
+    pages = quest_select(sc, max(1, cap // 16), force_page=mn.shape[1] - 1)
+    args = (q, x["k"], x["v"], pages, x["kn"], x["vn"], x["qp"], x["kvp"])
+    out = quest_decode_attention(*args, scale=scale, backend=be)
+    e2 = rel_err(out, quest_decode_attention_reference(*args, scale=scale))
+    return max(e1, e2), {"scores_err": e1, "attn_err": e2}
+
+  def saap_case():
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, 1, num_s, cap, hkv, poison=False)
+    nb = 16
+    counts_b, offs, keys = synth_clusters(jax.random.PRNGKey(3), hkv, num_l, nb)
+    bidx = jnp.asarray(np.stack([rng.choice(nb, size=5) for _ in range(hkv)]), jnp.int32)
+    args = (x["q"][:, 0], x["k"], x["v"], offs, keys, bidx, x["kn"], x["vn"], x["qp"], x["kvp"])
+    kw = dict(scale=scale, n_sink=1, n_recent=min(63, num_l // 4))
+    out = saap_attention(*args, **kw, backend=be)
+    return rel_err(out, saap_attention_reference(*args, **kw)), {}
+
+  tl, ta = 1e-2, 2e-2
+  check("centroid_lookup_prefill vote=kv", lambda: lookup_case("kv", True), tl)
+  check("centroid_lookup_decode vote=kv", lambda: lookup_case("kv", False), tl)
+  check("sparse_attention decode Hs=Hkv poisoned", lambda: attn_case(1, hkv, True), ta)
+  check("sparse_attention prefill Hs=Hkv poisoned", lambda: attn_case(seq_len, hkv, True), ta)
+  check("gather_then_dense prefill Hs=Hkv", lambda: attn_case(
+      seq_len, hkv, True, fn=gather_then_dense_attention), 3e-2)
+  if plan.checks == "full":
+    check("centroid_lookup_prefill vote=q", lambda: lookup_case("q", True), tl)
+    check("centroid_lookup_decode vote=q", lambda: lookup_case("q", False), tl)
+    check("sparse_attention decode Hs=Hq", lambda: attn_case(1, hq, False), ta)
+    check("sparse_attention prefill Hs=Hq", lambda: attn_case(seq_len, hq, False), ta)
+  if plan.checks in ("full", "smoke"):
+    check("hierarchical_lookup_prefill vote=kv", lambda: hier_case("kv", True), tl)
+    check("hierarchical_lookup_decode vote=q", lambda: hier_case("q", False), tl)
+    check("quest scores + page-sparse decode", quest_case, ta)
+    check("saap_attention decode", saap_case, ta)
+  return results
+
+
+# ----------------------------------------------------------------------------
+# (b) + (c) Timings.
+# ----------------------------------------------------------------------------
+def attention_configs(plan: Plan, seq_len: int) -> list[AttentionConfig | None]:
+  if not plan.sweep:
+    return [None]
+  if seq_len == 1:
+    return [None, AttentionConfig(block_rows=16, block_k=128, num_warps=4),
+            AttentionConfig(block_rows=16, block_k=32, num_warps=2)]
+  return [None, AttentionConfig(block_rows=64, block_k=64, num_warps=4),
+          AttentionConfig(block_rows=128, block_k=32, num_warps=4)]
+
+
+def copy_bandwidth(plan: Plan) -> dict:
+  n = plan.copy_bytes // 2
+  x = [jnp.full((n,), i, BF16) for i in range(2)]
+  f = jax.jit(lambda a: a + 1)
+  ms = time_fn(f, [(a,) for a in x], reps=max(3, plan.reps), inner=5)
+  return {"bytes": 2 * n * 2, "ms": ms, "tb_per_s": 2 * n * 2 / (ms * 1e-3) / 1e12}
+
+
+def run_length(plan: Plan, num_l: int, log, deadline: float) -> list[dict]:
+  hq, hkv, d = plan.hq, plan.hkv, plan.d
+  hs = hkv
+  scale = d ** -0.5
+  keep = 1.0 - plan.sparsity
+  num_c = max(1, round(plan.centroid_frac * num_l))
+  be = plan.backend
+  key = jax.random.PRNGKey(num_l)
+  kk, kv_, kc, kr = jax.random.split(key, 4)
+  k = jax.random.normal(kk, (hkv, num_l, d), BF16)
+  v = jax.random.normal(kv_, (hkv, num_l, d), BF16)
+  ccounts, coffs, ckeys = synth_clusters(kc, hkv, num_l, num_c)
+  out_cases = []
+  for phase, seq_len, num_s in plan.phases:
+    case: dict[str, Any] = {"L": num_l, "phase": phase, "T": seq_len, "S": num_s,
+                            "C": num_c, "Hq": hq, "Hkv": hkv, "d": d, "dtype": "bfloat16",
+                            "sparsity": plan.sparsity, "errors": {}}
+    out_cases.append(case)
+    if time.perf_counter() > deadline:
+      case["errors"]["all"] = "skipped: time budget exhausted"
+      log(f"[time] L={num_l} {phase}: skipped (time budget)")
+      continue
+    inner = plan.inner_decode if seq_len == 1 else plan.inner_prefill
+    sets = []
+    for i in range(plan.n_sets):
+      ks = jax.random.split(jax.random.fold_in(kr, 1000 * seq_len + i), 5)
+      q = jax.random.normal(ks[0], (hq, seq_len, d), BF16)
+      cent = jax.random.normal(ks[1], (hkv, num_c, d), BF16)
+      idx, counts, cap = synth_retrieval(ks[2], hs, num_l, keep)
+      kn = jax.random.normal(ks[3], (hkv, num_s, d), BF16)
+      vn = jax.random.normal(ks[4], (hkv, num_s, d), BF16)
+      kvp = (num_l + jnp.arange(num_s)).astype(jnp.int32)
+      qp = (num_l + num_s - seq_len + jnp.arange(seq_len)).astype(jnp.int32)
+      sets.append(dict(q=q, cent=cent, idx=idx, counts=counts, kn=kn, vn=vn, kvp=kvp, qp=qp))
+    case["cap"] = cap
+    case["retrieved_frac_synthetic"] = float(np.mean([np.asarray(s["counts"]).mean() / num_l
+                                                     for s in sets]))
+    case["counts_synthetic_first_set"] = np.asarray(sets[0]["counts"]).tolist()
+
+    def attempt(name, fn):
+      if time.perf_counter() > deadline:
+        case["errors"][name] = "skipped: time budget exhausted"
+        return None
+      t0 = time.perf_counter()
+      try:
+        val = fn()
+        log(f"[time] L={num_l} {phase:11s} {name:22s} {val if not isinstance(val, float) else f'{val:.4f} ms'}"
+            f"   ({time.perf_counter() - t0:.1f}s incl. compile)")
+        return val
+      except Exception as e:  # noqa: BLE001
+        case["errors"][name] = short_error(e)
+        log(f"[time] L={num_l} {phase} {name}: ERROR {short_error(e)}")
+        traceback.print_exc(file=sys.stderr)
+        return None
+
+    # Threshold giving ~keep of the keys (calibrated once, outside the timings).
+    def calib():
+      s0 = sets[0]
+      if seq_len == 1:
+        _, sc = centroid_lookup_decode(s0["q"][:, 0], s0["cent"], ccounts, 0.0, scale=scale,
+                                       backend=be)
+      else:
+        _, sc = centroid_lookup_prefill(s0["q"], s0["cent"], ccounts, 0.0, scale=scale,
+                                        backend=be)
+      return calibrate_threshold(sc, ccounts, keep)
+    thr = attempt("calibrate", calib)
+    thr = np.float32(0.0) if thr is None else thr
+    case["threshold"] = float(thr)
+
+    # Big shared arrays are passed as arguments (never closed over: no HLO constants).
+    if seq_len == 1:
+      lookup = jax.jit(lambda q, c, n: centroid_lookup_decode(q[:, 0], c, n, thr, scale=scale,
+                                                              backend=be))
+    else:
+      lookup = jax.jit(lambda q, c, n: centroid_lookup_prefill(q, c, n, thr, scale=scale,
+                                                               backend=be))
+    lk_sets = [(s["q"], s["cent"], ccounts) for s in sets]
+    case["lookup_ms"] = attempt("lookup", lambda: time_fn(lookup, lk_sets, reps=plan.reps,
+                                                          inner=inner))
+
+    at_sets = [(s["q"], k, v, s["idx"], s["counts"], s["kn"], s["vn"], s["qp"], s["kvp"])
+               for s in sets]
+    case["attn_ms_by_config"] = {}
+    for cfg in attention_configs(plan, seq_len):
+      label = "default" if cfg is None else (f"rows{cfg.block_rows}_bk{cfg.block_k}"
+                                             f"_w{cfg.num_warps}")
+      fn = jax.jit(functools.partial(sparse_attention, scale=scale, backend=be, config=cfg))
+      ms = attempt(f"attn[{label}]", lambda: time_fn(fn, at_sets, reps=plan.reps, inner=inner))
+      if ms is not None:
+        case["attn_ms_by_config"][label] = ms
+    if case["attn_ms_by_config"]:
+      best = min(case["attn_ms_by_config"], key=case["attn_ms_by_config"].get)
+      case["attn_ms"], case["attn_best_config"] = case["attn_ms_by_config"][best], best
+
+    if seq_len > 1:
+      gbe = "pallas" if be == "pallas" else "interpret"
+      gfn = jax.jit(functools.partial(gather_then_dense_attention, scale=scale, backend=gbe))
+      case["gather_dense_ms"] = attempt("gather+cuDNN", lambda: time_fn(
+          gfn, at_sets, reps=plan.reps, inner=inner))
+
+    # Whole pipeline: lookup -> cluster key lists (clusters_to_indices) -> sparse attention,
+    # one jit; capacity 2x the target so per-head variation does not overflow.
+    cap_pipe = min(num_l, int(math.ceil(2 * keep * num_l / 256) * 256)) if num_l >= 256 else num_l
+
+    def index_sets():
+      return [(lookup(*a)[0], coffs, ckeys) for a in lk_sets]
+    ifn = jax.jit(functools.partial(clusters_to_indices, cap=cap_pipe))
+    case["index_ms"] = attempt("index_build", lambda: time_fn(ifn, index_sets(), reps=plan.reps,
+                                                              inner=inner))
+
+    def pipeline(q, c, n, offs, keys, k, v, kn, vn, qp, kvp):
+      if seq_len == 1:
+        sel, _ = centroid_lookup_decode(q[:, 0], c, n, thr, scale=scale, backend=be)
+      else:
+        sel, _ = centroid_lookup_prefill(q, c, n, thr, scale=scale, backend=be)
+      idx, cnt, wanted = clusters_to_indices(sel, offs, keys, cap=cap_pipe)
+      out = sparse_attention(q, k, v, idx, cnt, kn, vn, qp, kvp, scale=scale, backend=be)
+      return out, cnt, wanted
+    pfn = jax.jit(pipeline)
+    pp_sets = [(s["q"], s["cent"], ccounts, coffs, ckeys, k, v, s["kn"], s["vn"], s["qp"],
+                s["kvp"]) for s in sets]
+    case["pipeline_cap"] = cap_pipe
+    case["pipeline_ms"] = attempt("pipeline", lambda: time_fn(pfn, pp_sets, reps=plan.reps,
+                                                              inner=inner))
+
+    def pipe_stats():
+      _, cnt, wanted = pfn(*pp_sets[0])
+      cnt, wanted = np.asarray(cnt), np.asarray(wanted)
+      case["pipeline_counts"] = cnt.tolist()
+      case["pipeline_overflow_heads"] = int(np.sum(wanted > cap_pipe))
+      case["pipeline_retrieved_frac"] = float(cnt.mean() / num_l)
+      return f"retrieved {cnt.mean() / num_l:.3f} of L, overflow heads {int(np.sum(wanted > cap_pipe))}"
+    if case.get("pipeline_ms") is not None:
+      attempt("pipeline_stats", pipe_stats)
+
+    # Dense baseline over all L + S keys (non-causal: <1% more work than causal).
+    kfull = jnp.concatenate([k, sets[0]["kn"]], axis=1).transpose(1, 0, 2)[None]
+    vfull = jnp.concatenate([v, sets[0]["vn"]], axis=1).transpose(1, 0, 2)[None]
+    dn_sets = [(s["q"].transpose(1, 0, 2)[None], kfull, vfull) for s in sets]
+    dfn = jax.jit(functools.partial(jax.nn.dot_product_attention, scale=scale,
+                                    implementation=plan.dense_impl))
+    case["dense_ms"] = attempt("dense", lambda: time_fn(dfn, dn_sets, reps=plan.reps,
+                                                        inner=inner))
+    del kfull, vfull, dn_sets
+
+    parts = [case.get("lookup_ms"), case.get("index_ms"), case.get("attn_ms")]
+    case["total_ms"] = sum(parts) if all(p is not None for p in parts) else None
+    total = case.get("pipeline_ms") or case.get("total_ms")
+    case["ratio"] = (case["dense_ms"] / total) if (case.get("dense_ms") and total) else None
+
+    if seq_len == 1 and case.get("attn_ms"):
+      byts = []
+      for s in sets:
+        n = float(np.asarray(s["counts"]).sum())
+        byts.append(n * 2 * d * 2 + n * 4 + hs * num_s * 2 * d * 2)
+      b = float(np.mean(byts))
+      case["attn_bytes"] = b
+      case["attn_tb_per_s"] = b / (case["attn_ms"] * 1e-3) / 1e12
+      lb = hkv * num_c * (d * 2 + 4) + 2 * hq * num_c * 4
+      case["lookup_bytes"] = float(lb)
+      if case.get("lookup_ms"):
+        case["lookup_tb_per_s"] = lb / (case["lookup_ms"] * 1e-3) / 1e12
+      db = hkv * (num_l + num_s) * 2 * d * 2
+      case["dense_bytes"] = float(db)
+      if case.get("dense_ms"):
+        case["dense_tb_per_s"] = db / (case["dense_ms"] * 1e-3) / 1e12
+    del sets, at_sets, pp_sets, lk_sets
+  return out_cases
+
+
+# ----------------------------------------------------------------------------
+# Report.
+# ----------------------------------------------------------------------------
+def fmt(x, nd=3):
+  if x is None:
+    return "—"
+  if isinstance(x, float):
+    return f"{x:.{nd}f}"
+  return str(x)
+
+
+def to_markdown(res: dict) -> str:
+  lines = [f"# pallas_kernels GPU run — {res['device']}", "",
+           f"jax {res['jax_version']}, commit {res['git_commit']}, dtype {res['dtype']}, "
+           f"backend {res['backend']}, dense baseline `{res['dense_impl']}`, "
+           f"{res['seconds']:.0f} s total.", ""]
+  if res["checks"]:
+    lines += ["## Correctness (compiled kernel vs reference, bf16)", "",
+              "| check | status | max rel err | tol |", "|---|---|---|---|"]
+    for c in res["checks"]:
+      lines.append(f"| {c['name']} | {c['status']} | {fmt(c.get('max_rel_err'), 4)} | {c['tol']} |"
+                   + (f" {c['error']}" if c.get("error") else ""))
+    lines.append("")
+  bw = res.get("copy_bandwidth") or {}
+  lines += ["## Bandwidth (decode)", "",
+            f"device-to-device copy: {fmt(bw.get('tb_per_s'))} TB/s", "",
+            "| L | sparse attn bytes | sparse attn TB/s | lookup bytes | lookup TB/s | dense TB/s |",
+            "|---|---|---|---|---|---|"]
+  for c in res["cases"]:
+    if c["T"] == 1:
+      lines.append(f"| {c['L']} | {fmt(c.get('attn_bytes'), 0)} | {fmt(c.get('attn_tb_per_s'))} | "
+                   f"{fmt(c.get('lookup_bytes'), 0)} | {fmt(c.get('lookup_tb_per_s'))} | "
+                   f"{fmt(c.get('dense_tb_per_s'))} |")
+  lines += ["", "## Timings (ms, median)", "",
+            "| L | phase | T | lookup | index build | sparse attn (best cfg) | sum | pipeline | "
+            "gather+cuDNN | dense cuDNN | dense / pipeline |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for c in res["cases"]:
+    att = fmt(c.get("attn_ms"))
+    if c.get("attn_best_config"):
+      att += f" ({c['attn_best_config']})"
+    ratio = fmt(c.get("ratio"), 2) + ("×" if c.get("ratio") else "")
+    lines.append(f"| {c['L']} | {c['phase']} | {c['T']} | {fmt(c.get('lookup_ms'))} | "
+                 f"{fmt(c.get('index_ms'))} | {att} | "
+                 f"{fmt(c.get('total_ms'))} | {fmt(c.get('pipeline_ms'))} | "
+                 f"{fmt(c.get('gather_dense_ms'))} | {fmt(c.get('dense_ms'))} | {ratio} |")
+  errs = [(c["L"], c["phase"], k, v) for c in res["cases"] for k, v in c["errors"].items()]
+  if errs:
+    lines += ["", "## Errors", ""] + [f"- L={a} {b} {k}: {v}" for a, b, k, v in errs]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", required=True, help="directory for gpu_kernels.json / .md")
+  ap.add_argument("--quick", action="store_true", help="short smoke run on the GPU")
+  ap.add_argument("--cpu-smoke", action="store_true",
+                  help="tiny shapes on CPU (Pallas interpret mode) to exercise the plumbing")
+  ap.add_argument("--lengths", default="", help="comma-separated fixed-context lengths")
+  ap.add_argument("--skip-checks", action="store_true")
+  ap.add_argument("--no-sweep", action="store_true", help="only the default kernel configs")
+  ap.add_argument("--budget-s", type=float, default=0.0,
+                  help="stop starting new timing cases after this many seconds")
+  args = ap.parse_args(argv)
+  plan = make_plan(args)
+  if plan.backend == "pallas" and jax.default_backend() != "gpu":
+    print(f"error: no GPU (jax backend {jax.default_backend()!r}); use --cpu-smoke",
+          file=sys.stderr)
+    return 2
+  os.makedirs(args.out, exist_ok=True)
+  t_start = time.perf_counter()
+  deadline = t_start + plan.budget_s
+
+  def log(msg):
+    print(msg, flush=True)
+
+  sha, dirty = git_commit()
+  res: dict[str, Any] = {
+      "device": device_name(), "jax_version": jax.__version__, "python": platform.python_version(),
+      "git_commit": sha, "git_dirty": dirty, "dtype": "bfloat16", "backend": plan.backend,
+      "dense_impl": plan.dense_impl, "mode": "cpu-smoke" if args.cpu_smoke else (
+          "quick" if args.quick else "full"),
+      "plan": dataclasses.asdict(plan), "checks": [], "cases": [], "copy_bandwidth": None,
+      "errors": {},
+  }
+  log(f"device {res['device']}, jax {res['jax_version']}, commit {sha}")
+  try:
+    res["checks"] = run_checks(plan, log)
+  except Exception as e:  # noqa: BLE001
+    res["errors"]["checks"] = short_error(e)
+  try:
+    res["copy_bandwidth"] = copy_bandwidth(plan)
+    log(f"[bw] device copy {res['copy_bandwidth']['tb_per_s']:.3f} TB/s")
+  except Exception as e:  # noqa: BLE001
+    res["errors"]["copy_bandwidth"] = short_error(e)
+  for num_l in plan.lengths:
+    try:
+      res["cases"] += run_length(plan, num_l, log, deadline)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory while building inputs
+      res["errors"][f"L={num_l}"] = short_error(e)
+      traceback.print_exc(file=sys.stderr)
+  res["seconds"] = time.perf_counter() - t_start
+  with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
+    json.dump(res, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+  md = to_markdown(res)
+  with open(os.path.join(args.out, "gpu_kernels.md"), "w") as f:
+    f.write(md)
+  print()
+  print(md)
+  n_bad = sum(c["status"] != "PASS" for c in res["checks"])
+  return 1 if n_bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

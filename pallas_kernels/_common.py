@@ -1,0 +1,175 @@
+"""Small helpers shared by the kernels: validation, padding, head bookkeeping."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+import numpy as np
+
+# Finite stand-in for -inf inside kernels: exp(MASK - MASK) = 1 never produces NaN.
+MASK_VALUE = -1e30
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+VOTES = ("kv", "q")
+
+
+def next_pow2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def is_pow2(x: int) -> bool:
+  return x >= 1 and (x & (x - 1)) == 0
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def check_pow2(name: str, value: int, minimum: int = 16) -> None:
+  if not isinstance(value, int) or not is_pow2(value) or value < minimum:
+    raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
+
+
+def check_warps_stages(num_warps: int, num_stages: int) -> None:
+  if num_warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps!r}")
+  if not isinstance(num_stages, int) or num_stages < 1:
+    raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+
+
+def shape_str(**arrays: Any) -> str:
+  return ", ".join(f"{k}{tuple(np.shape(v))}" for k, v in arrays.items())
+
+
+def check_float(name: str, x: jax.Array) -> None:
+  if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+    raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def check_int32(name: str, x: jax.Array) -> None:
+  if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+    raise ValueError(f"{name} must be int32, got {x.dtype} with shape {tuple(x.shape)}")
+
+
+def check_same_dtype(**arrays: jax.Array) -> None:
+  dts = {k: jnp.dtype(v.dtype) for k, v in arrays.items()}
+  if len(set(dts.values())) != 1:
+    raise ValueError("dtypes must match: " + ", ".join(f"{k}={d}" for k, d in dts.items()))
+
+
+def check_vote(vote: str) -> None:
+  if vote not in VOTES:
+    raise ValueError(f"vote must be 'kv' (per KV head, group mean) or 'q' (per query head), got {vote!r}")
+
+
+def check_scale(scale: Any) -> float:
+  if scale is None:
+    raise ValueError("scale is required (the model's softmax scale, e.g. 1/sqrt(d))")
+  try:
+    s = float(scale)
+  except TypeError as e:  # traced value
+    raise ValueError(f"scale must be a static Python float, got {scale!r}") from e
+  if not math.isfinite(s):
+    raise ValueError(f"scale must be finite, got {s}")
+  return s
+
+
+def num_selection_heads(hq: int, hkv: int, vote: str) -> int:
+  check_vote(vote)
+  return hkv if vote == "kv" else hq
+
+
+def check_heads(hq: int, hkv: int, what: str) -> None:
+  if hkv < 1 or hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}); {what}")
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+  """Pads ``x`` along ``axis`` up to ``size`` (no copy when already that size)."""
+  n = x.shape[axis]
+  if n == size:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[axis] = (0, size - n)
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def padded_head_dim(d: int) -> int:
+  """Triton needs power-of-two tiles (>= 16 for dots); head dims are zero-padded."""
+  return max(16, next_pow2(d))
+
+
+# ----------------------------------------------------------------------------
+# In-kernel helpers (valid both in the Triton lowering and in the interpreter).
+# ----------------------------------------------------------------------------
+def kdiv(a, b):
+  """Integer division for non-negative operands (lowers to a plain divide)."""
+  return lax.div(a, jnp.asarray(b, a.dtype) if not hasattr(b, "dtype") else b)
+
+
+def krem(a, b):
+  return lax.rem(a, jnp.asarray(b, a.dtype) if not hasattr(b, "dtype") else b)
+
+
+def kcdiv(a, b: int):
+  """Ceil-division of a non-negative traced int by a static positive int."""
+  return lax.div(a + (b - 1), jnp.asarray(b, a.dtype))
+
+
+def gather_rows(ref, rows, ncols: int, mask, other=0):
+  """Masked row gather ``ref[rows, :ncols]`` from a 2-D ref -> [len(rows), ncols].
+
+  ``rows`` must be in bounds wherever ``mask`` is true; elsewhere it is never read.
+  """
+  rows = jnp.where(mask, rows, 0)
+  cols = jnp.arange(ncols, dtype=jnp.int32)
+  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask[:, None], other=other)
+
+
+def gather_vec(ref, idx, mask, other=0):
+  """Masked element gather ``ref[idx]`` from a 1-D ref."""
+  idx = jnp.where(mask, idx, 0)
+  return plgpu.load(ref.at[idx], mask=mask, other=other)
+
+
+def expand_ranges(sel, offsets, items, rows, cap: int):
+  """Concatenates the CSR ranges of the selected entries, per selection row.
+
+  sel [Hs, P] bool; offsets [H, P + 1] int32 (range p of row h is
+  ``items[h, offsets[h, p] : offsets[h, p + 1]]``); items [H, N] int32; rows [Hs]
+  int32 (which CSR row each selection row reads).  Returns
+  (out [Hs, cap] int32 padded with -1, n [Hs] = min(wanted, cap), wanted [Hs]):
+  ``wanted > cap`` means the selection overflowed the static capacity (the entries
+  past ``cap`` are dropped; callers must check).
+
+  O(P + cap) per row with no search: a +1 marker at the output start of every
+  non-empty selected range, a cumsum (CUB on GPU) gives the range covering each
+  output slot.  No host synchronisation.
+  """
+  hs, num_p = sel.shape
+  n_items = items.shape[1]
+  offs = offsets[rows]                                            # [Hs, P + 1]
+  sizes = jnp.where(sel, jnp.maximum(offs[:, 1:] - offs[:, :-1], 0), 0)
+  ends = jnp.cumsum(sizes, axis=1)
+  starts = ends - sizes
+  wanted = ends[:, -1].astype(jnp.int32)
+  n = jnp.minimum(wanted, cap).astype(jnp.int32)
+  row_ids = jnp.arange(hs, dtype=jnp.int32)[:, None]
+  live = sizes > 0
+  rank = jnp.cumsum(live.astype(jnp.int32), axis=1) - 1           # k-th live range
+  range_of = jnp.zeros((hs, num_p), jnp.int32).at[
+      row_ids, jnp.where(live, rank, num_p)].set(
+          jnp.broadcast_to(jnp.arange(num_p, dtype=jnp.int32), (hs, num_p)), mode="drop")
+  mark = jnp.zeros((hs, cap), jnp.int32).at[
+      row_ids, jnp.where(live & (starts < cap), starts, cap)].add(1, mode="drop")
+  k = jnp.maximum(jnp.cumsum(mark, axis=1) - 1, 0)                # [Hs, cap]
+  p = jnp.take_along_axis(range_of, k, axis=1)
+  j = jnp.arange(cap, dtype=jnp.int32)[None, :]
+  src = jnp.take_along_axis(offs[:, :-1], p, axis=1) + (j - jnp.take_along_axis(starts, p, axis=1))
+  src = jnp.clip(src, 0, n_items - 1) + rows[:, None] * n_items
+  out = jnp.take(items.reshape(-1), src, axis=0)
+  out = jnp.where(j < n[:, None], out, -1)
+  return out.astype(jnp.int32), n, wanted

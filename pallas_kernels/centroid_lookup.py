@@ -1,0 +1,415 @@
+"""Centroid lookup of Squeezed Attention (Hooper et al., Eq. 1, Section 4.1, App. D).
+
+For a query ``q`` of query head ``h`` and the key centroids ``C_i`` of its KV head
+(``N_i`` keys in cluster ``i``)::
+
+    S_i = exp(s q.C_i) / sum_j N_j exp(s q.C_j)                          (Eq. 1)
+
+computed with max-subtraction.  A cluster is retrieved when ``S_i > T``.  Clusters
+with ``N_i == 0`` (empty or padding) take no part in the denominator, get
+``S_i = 0`` and are never selected.  If a head has no valid cluster at all, every
+score is 0 (never NaN).
+
+Selection heads (``vote``): ``"kv"`` (default) averages ``S`` over the ``g`` query
+heads of each KV head, giving one retrieved set per KV head (``Hs = Hkv``); ``"q"``
+keeps one set per query head (``Hs = Hq``).
+
+Prefill (``T`` query tokens): ``S`` is averaged over the ``T`` tokens (App. D).
+Kernel A (grid: query head x token block) makes one pass over the centroids for the
+per-token softmax statistics (running max and denominator); kernel B (grid:
+selection head x centroid block) loads each centroid block once and accumulates the
+normalised scores over the group's heads and all tokens.  No ``[H, C, T]`` tensor is
+ever written to HBM.
+
+Decode (one token): a single pass, parallel over centroid blocks (grid: KV head x
+centroid block) so that batch 1 fills the GPU.  Each program stores
+``exp(s q.C_i - m_b)`` for its block with the block max ``m_b`` and the block
+denominator ``l_b = sum N_i exp(s q.C_i - m_b)``; a cheap second reduction (fused
+jnp) forms ``D = sum_b l_b exp(m_b - M)`` and ``S_i = e_i exp(m_b - M) / D`` (the
+paper compares ``e_i`` with ``D T`` rescaled by ``exp(m_b - M)``; the group vote
+needs the normalised ``S_i`` itself, one multiply more).
+
+The same kernels take an optional per-group candidate list (``ids``/``n_ids``),
+which ``hierarchical_lookup`` uses for its level-2 pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as cm
+from pallas_kernels._dispatch import pallas_call, resolve_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class CentroidLookupConfig:
+  """Static tiling of the lookup kernels.
+
+  block_c: centroids per tile (power of two >= 16).
+  block_t: query tokens per tile in the prefill kernels (power of two >= 16;
+    clipped to the next power of two of T).
+  """
+  block_c: int = 128
+  block_t: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    cm.check_pow2("block_c", self.block_c)
+    cm.check_pow2("block_t", self.block_t)
+    cm.check_warps_stages(self.num_warps, self.num_stages)
+
+
+# ----------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------
+def _load_centroid_block(c_ref, n_ref, ids_ref, *, grp, kv, j, n, num_c, ncand, d):
+  """Centroid rows for slots ``j`` of group ``grp``: ids, validity, counts, rows."""
+  jv = j < n
+  if ids_ref is not None:
+    cid = cm.gather_vec(ids_ref, grp * ncand + j, jv & (j < ncand), other=-1)
+  else:
+    cid = j
+  cv = jv & (cid >= 0) & (cid < num_c)
+  row = kv * num_c + cid
+  cnt = cm.gather_vec(n_ref, row, cv, other=0)                    # [Bc] int32
+  valid = cv & (cnt > 0)
+  c = cm.gather_rows(c_ref, row, d, valid)                        # [Bc, d]
+  return valid, cnt.astype(jnp.float32), c
+
+
+def _decode_kernel(q_ref,      # [Hq, d]
+                   c_ref,      # [Hkv * C, d]
+                   n_ref,      # [Hkv * C] int32
+                   *refs,      # (ids [G * Cc], n_ids [G])?, e, m, l
+                   scale, num_c, group, r, rp, block_c, d, has_ids, ncand):
+  if has_ids:
+    ids_ref, nids_ref, e_ref, m_ref, l_ref = refs
+  else:
+    ids_ref = nids_ref = None
+    e_ref, m_ref, l_ref = refs
+  grp = pl.program_id(0)
+  cb = pl.program_id(1)
+  kv = cm.kdiv(grp * r, group)
+  hr = jnp.arange(rp, dtype=jnp.int32)
+  q = cm.gather_rows(q_ref, grp * r + hr, d, hr < r)              # [rp, d]
+  j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
+  n = nids_ref[grp] if has_ids else num_c
+  valid, cnt, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
+                                       num_c=num_c, ncand=ncand, d=d)
+  s = plgpu.dot(q, c, trans_b=True) * scale                       # [rp, Bc] f32
+  s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
+  m = jnp.max(s, axis=1)                                          # [rp]
+  e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)     # [rp, Bc]
+  l = jnp.sum(e * cnt[None, :], axis=1)                           # [rp]
+  # Only the r real query rows are stored (outputs are [G, nB, r, ...]).
+  live = hr < r
+  plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=live[:, None])
+  plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=live)
+  plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=live)
+
+
+def _stats_kernel(q_ref,      # [Hq * T, d]
+                  c_ref,      # [Hkv * C, d]
+                  n_ref,      # [Hkv * C] int32
+                  *refs,      # (ids, n_ids)?, m [Hq, Tp], l [Hq, Tp]
+                  scale, seq_len, num_c, group, r, block_t, block_c, d, has_ids, ncand):
+  if has_ids:
+    ids_ref, nids_ref, m_ref, l_ref = refs
+  else:
+    ids_ref = nids_ref = None
+    m_ref, l_ref = refs
+  tb = pl.program_id(0)   # token blocks fastest: concurrent programs share the centroids
+  h = pl.program_id(1)
+  grp = cm.kdiv(h, r)
+  kv = cm.kdiv(h, group)
+  t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
+  q = cm.gather_rows(q_ref, h * seq_len + t, d, t < seq_len)      # [Bt, d]
+  if has_ids:
+    n = nids_ref[grp]
+    nblocks = cm.kcdiv(jnp.clip(n, 0, ncand), block_c)
+  else:
+    n = num_c
+    nblocks = cm.cdiv(num_c, block_c)
+
+  def body(b, carry):
+    m_prev, l_prev = carry
+    j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
+                                         num_c=num_c, ncand=ncand, d=d)
+    s = plgpu.dot(q, c, trans_b=True) * scale                     # [Bt, Bc]
+    s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    p = jnp.where(valid[None, :], jnp.exp(s - m_next[:, None]), 0.0)
+    l_next = l_prev * jnp.exp(m_prev - m_next) + jnp.sum(p * cnt[None, :], axis=1)
+    return m_next, l_next
+
+  m0 = jnp.full((block_t,), cm.MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((block_t,), jnp.float32)
+  m, l = lax.fori_loop(0, nblocks, body, (m0, l0))
+  m_ref[h, pl.ds(tb * block_t, block_t)] = m
+  l_ref[h, pl.ds(tb * block_t, block_t)] = l
+
+
+def _score_kernel(q_ref,      # [Hq * T, d]
+                  c_ref,      # [Hkv * C, d]
+                  n_ref,      # [Hkv * C] int32
+                  ms_ref,     # [Hq, Tp] f32 (kernel A)
+                  ls_ref,     # [Hq, Tp] f32 (kernel A)
+                  *refs,      # (ids, n_ids)?, out [G, nB * Bc]
+                  scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, has_ids,
+                  ncand):
+  if has_ids:
+    ids_ref, nids_ref, o_ref = refs
+  else:
+    ids_ref = nids_ref = None
+    (o_ref,) = refs
+  cb = pl.program_id(0)   # centroid blocks fastest: concurrent programs share the queries
+  grp = pl.program_id(1)
+  kv = cm.kdiv(grp * r, group)
+  j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
+  n = nids_ref[grp] if has_ids else num_c
+  valid, _, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
+                                     num_c=num_c, ncand=ncand, d=d)  # c: [Bc, d]
+
+  def body(it, acc):
+    rr = cm.kdiv(it, n_tb)
+    tb = cm.krem(it, n_tb)
+    h = grp * r + rr
+    t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    tv = t < seq_len
+    q = cm.gather_rows(q_ref, h * seq_len + t, d, tv)             # [Bt, d]
+    mt = ms_ref[h, pl.ds(tb * block_t, block_t)]                  # [Bt]
+    lt = ls_ref[h, pl.ds(tb * block_t, block_t)]
+    inv = jnp.where(tv & (lt > 0), 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
+    s = plgpu.dot(q, c, trans_b=True) * scale                     # [Bt, Bc]
+    p = jnp.where(valid[None, :], jnp.exp(jnp.minimum(s - mt[:, None], 0.0)), 0.0)
+    return acc + jnp.sum(p * inv[:, None], axis=0)
+
+  active = cb * block_c < n
+  n_it = jnp.where(active, r * n_tb, 0)
+  acc = lax.fori_loop(0, n_it, body, jnp.zeros((block_c,), jnp.float32))
+  o_ref[grp, pl.ds(cb * block_c, block_c)] = acc * (1.0 / (r * seq_len))
+
+
+# ----------------------------------------------------------------------------
+# Builders (shared with hierarchical_lookup).
+# ----------------------------------------------------------------------------
+def _flat_inputs(centroids, counts, d_pad):
+  hkv, num_c, d = centroids.shape
+  c = cm.pad_axis(centroids, 2, d_pad).reshape(hkv * num_c, d_pad)
+  return c, counts.reshape(hkv * num_c)
+
+
+def lookup_decode_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cfg, backend):
+  """Per-head Eq. 1 scores of each group's slots, one query token.
+
+  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32; ids [G, Cc] int32 or None
+  (slot j of group g is centroid ids[g, j] for j < n_ids[g]; else slot j is centroid
+  j); the denominator of a head sums over its group's valid slots only.
+  Returns S [G, R, Cc] f32 (R = Hq // G); 0 on invalid slots.
+  """
+  hq, d = q.shape
+  hkv, num_c, _ = centroids.shape
+  r = hq // groups
+  rp = max(16, cm.next_pow2(r))
+  dp = cm.padded_head_dim(d)
+  ncand = num_c if ids is None else ids.shape[1]
+  block_c = min(cfg.block_c, max(16, cm.next_pow2(ncand)))
+  nb = cm.cdiv(ncand, block_c)
+  c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+  args = [cm.pad_axis(q, 1, dp), c_flat, n_flat]
+  if ids is not None:
+    args += [ids.reshape(-1), n_ids]
+  kernel = functools.partial(
+      _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
+      block_c=block_c, d=dp, has_ids=ids is not None, ncand=ncand)
+  e, m, l = pallas_call(
+      kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      grid=(groups, nb),
+      out_shape=[
+          jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
+          jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
+          jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
+      ],
+      name="centroid_lookup_decode",
+  )(*args)
+  # Second, cheap reduction across centroid blocks (fused by XLA).
+  mx = jnp.max(m, axis=1, keepdims=True)                          # [G, 1, r]
+  w = jnp.exp(m - mx)                                             # [G, nB, r]
+  den = jnp.sum(l * w, axis=1, keepdims=True)                     # D
+  f = jnp.where(den > 0, w / jnp.where(den > 0, den, 1.0), 0.0)
+  s = e * f[..., None]                                            # [G, nB, r, Bc]
+  s = jnp.transpose(s, (0, 2, 1, 3)).reshape(groups, r, nb * block_c)
+  return s[:, :, :ncand]
+
+
+def lookup_prefill_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cfg, backend):
+  """Eq. 1 scores averaged over the T tokens and the R heads of each group.
+
+  q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; ids/n_ids as in
+  ``lookup_decode_scores``.  Returns avg [G, Cc] f32 (0 on invalid slots).
+  """
+  hq, seq_len, d = q.shape
+  hkv, num_c, _ = centroids.shape
+  r = hq // groups
+  dp = cm.padded_head_dim(d)
+  ncand = num_c if ids is None else ids.shape[1]
+  block_c = min(cfg.block_c, max(16, cm.next_pow2(ncand)))
+  block_t = min(cfg.block_t, max(16, cm.next_pow2(seq_len)))
+  n_tb = cm.cdiv(seq_len, block_t)
+  nb = cm.cdiv(ncand, block_c)
+  c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+  q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
+  extra = [] if ids is None else [ids.reshape(-1), n_ids]
+  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r,
+                block_t=block_t, block_c=block_c, d=dp, has_ids=ids is not None,
+                ncand=ncand)
+  m, l = pallas_call(
+      functools.partial(_stats_kernel, **common), backend=backend,
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      grid=(n_tb, hq),
+      out_shape=[jax.ShapeDtypeStruct((hq, n_tb * block_t), jnp.float32)] * 2,
+      name="centroid_lookup_stats",
+  )(q_flat, c_flat, n_flat, *extra)
+  avg = pallas_call(
+      functools.partial(_score_kernel, n_tb=n_tb, **common), backend=backend,
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      grid=(nb, groups),
+      out_shape=jax.ShapeDtypeStruct((groups, nb * block_c), jnp.float32),
+      name="centroid_lookup_scores",
+  )(q_flat, c_flat, n_flat, m, l, *extra)
+  return avg[:, :ncand]
+
+
+# ----------------------------------------------------------------------------
+# Validation and public API.
+# ----------------------------------------------------------------------------
+def _validate(q, centroids, counts, threshold, vote, q_rank):
+  shapes = cm.shape_str(q=q, centroids=centroids, counts=counts)
+  if q.ndim != q_rank:
+    want = "[Hq, T, d]" if q_rank == 3 else "[Hq, d]"
+    raise ValueError(f"q must be {want}; got {shapes}")
+  if centroids.ndim != 3 or counts.shape != centroids.shape[:2]:
+    raise ValueError(f"centroids must be [Hkv, C, d] and counts [Hkv, C]; got {shapes}")
+  if q.shape[-1] != centroids.shape[2]:
+    raise ValueError(f"head dims differ; got {shapes}")
+  if q_rank == 3 and q.shape[1] < 1:
+    raise ValueError(f"need at least one query token; got {shapes}")
+  if centroids.shape[1] < 1:
+    raise ValueError(f"need at least one centroid slot; got {shapes}")
+  cm.check_heads(q.shape[0], centroids.shape[0], shapes)
+  cm.check_float("q", q)
+  cm.check_same_dtype(q=q, centroids=centroids)
+  cm.check_int32("counts", counts)
+  cm.check_vote(vote)
+  if jnp.ndim(threshold) != 0:
+    raise ValueError(f"threshold must be a scalar, got shape {jnp.shape(threshold)}")
+
+
+def _finish(scores, counts, threshold, vote, hq):
+  """scores [Hs, C] -> (selected, scores) with invalid clusters zeroed/unselected."""
+  hkv = counts.shape[0]
+  valid = counts > 0
+  if vote == "q":
+    valid = jnp.repeat(valid, hq // hkv, axis=0)
+  scores = jnp.where(valid, scores, 0.0)
+  selected = valid & (scores > jnp.asarray(threshold, jnp.float32))
+  return selected, scores
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="kv"):
+  """Plain-jnp Eq. 1.  q [Hq, T, d] (prefill: mean over T) or [Hq, d] (decode).
+
+  Returns (selected [Hs, C] bool, scores [Hs, C] f32).
+  """
+  if q.ndim == 2:
+    q = q[:, None, :]
+  hq, seq_len, d = q.shape
+  hkv, num_c, _ = centroids.shape
+  g = hq // hkv
+  qf = q.astype(jnp.float32).reshape(hkv, g, seq_len, d)
+  logits = scale * jnp.einsum("kgtd,kcd->kgtc", qf, centroids.astype(jnp.float32))
+  valid = (counts > 0)[:, None, None, :]
+  logits = jnp.where(valid, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  e = jnp.where(valid, jnp.exp(logits - mx), 0.0)
+  den = jnp.sum(e * counts[:, None, None, :].astype(jnp.float32), axis=-1, keepdims=True)
+  s = jnp.where(den > 0, e / jnp.where(den > 0, den, 1.0), 0.0)   # [Hkv, g, T, C]
+  s = jnp.mean(s, axis=2)
+  s = jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, num_c)
+  return _finish(s, counts, threshold, vote, hq)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+def centroid_lookup_prefill(
+    q: jax.Array,            # [Hq, T, d]
+    centroids: jax.Array,    # [Hkv, C, d]
+    counts: jax.Array,       # [Hkv, C] int32 (N_i; 0 = empty / padding cluster)
+    threshold: jax.Array,    # [] f32 (traced)
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: CentroidLookupConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Prefill centroid lookup: Eq. 1 averaged over the T query tokens.
+
+  ``scores[s, i] = mean_{h in group(s)} mean_t S_i(q[h, t])`` and
+  ``selected = (scores > threshold) & (counts > 0)``.  ``vote="kv"``: Hs = Hkv,
+  group(s) = the g query heads of KV head s; ``vote="q"``: Hs = Hq, group(h) = {h}.
+
+  Returns (selected [Hs, C] bool, scores [Hs, C] f32).
+  """
+  _validate(q, centroids, counts, threshold, vote, 3)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote)
+  cfg = config or CentroidLookupConfig()
+  hq = q.shape[0]
+  hs = cm.num_selection_heads(hq, centroids.shape[0], vote)
+  avg = lookup_prefill_scores(q, centroids, counts, None, None, scale=scale, groups=hs,
+                              cfg=cfg, backend=be)
+  return _finish(avg, counts, threshold, vote, hq)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+def centroid_lookup_decode(
+    q: jax.Array,            # [Hq, d]
+    centroids: jax.Array,    # [Hkv, C, d]
+    counts: jax.Array,       # [Hkv, C] int32
+    threshold: jax.Array,    # [] f32 (traced)
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: CentroidLookupConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Decode centroid lookup for one query token (Eq. 1, App. D single-pass form).
+
+  ``vote="kv"``: ``scores[s] = mean over the g heads of KV head s of S``;
+  ``vote="q"``: one row per query head.  Returns (selected [Hs, C] bool,
+  scores [Hs, C] f32) with ``selected = (scores > threshold) & (counts > 0)``.
+  """
+  _validate(q, centroids, counts, threshold, vote, 2)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote)
+  cfg = config or CentroidLookupConfig()
+  hq = q.shape[0]
+  hkv, num_c, _ = centroids.shape
+  # Programs per (KV head, centroid block): each centroid row is read once for the group.
+  s = lookup_decode_scores(q, centroids, counts, None, None, scale=scale, groups=hkv,
+                           cfg=cfg, backend=be)                   # [Hkv, g, C]
+  s = jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, num_c)
+  return _finish(s, counts, threshold, vote, hq)

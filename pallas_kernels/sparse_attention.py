@@ -1,0 +1,337 @@
+"""Exact attention over retrieved fixed-context keys + the user input's causal part.
+
+Squeezed Attention, Section 4.2: after the centroid lookup, each selection head
+``s`` attends exactly to the fixed-context keys it retrieved and, as every query
+does, to the user input's own keys causally.  With ``K_s`` the retrieved positions
+of selection head ``s`` (the one query head ``h`` uses) and ``N_t`` the new keys
+visible to query token ``t``::
+
+    o[h, t] = sum_{j in K_s u N_t} softmax_j(scale q[h,t].k_j) v_j
+
+computed as two (or more) partial softmaxes merged by log-sum-exp.
+
+Index conventions (shared with every sparse op in this package):
+
+* ``idx [Hs, cap]`` int32, ``counts [Hs]`` int32.  Entries ``idx[s, :counts[s]]`` are
+  positions in ``[0, L)``; entries at or past ``counts[s]`` are ignored whatever they
+  hold.  ``counts`` is clipped to ``[0, cap]`` (overflow: a producer that found more
+  than ``cap`` keys must report it itself -- this op cannot know about keys that are
+  not in ``idx``; ``clusters_to_indices`` returns ``wanted`` for that).  Entries
+  inside the count that fall outside ``[0, L)`` (e.g. -1 padding) are ignored too.
+* Duplicates are NOT removed: a position listed twice is attended twice, in the
+  kernel and in the reference alike (it doubles that key's softmax weight).
+  Producers should emit unique positions (cluster -> key lists are disjoint).
+* ``Hs`` is ``Hkv`` (per-KV-head selection, the default) or ``Hq``; selection head
+  ``s`` uses KV head ``s // (Hs // Hkv)``, query head ``h`` uses selection head
+  ``h // (Hq // Hs)``.
+* New keys ``k_new, v_new [Hkv, S, d]`` at absolute positions ``kv_pos_new [S]``
+  (-1 = empty slot); query token ``t`` at ``q_pos[t]`` sees new key ``j`` iff
+  ``0 <= kv_pos_new[j] <= q_pos[t]``.  Fixed-context keys are always visible.
+* ``counts`` may be 0 for a head; if a query sees nothing at all its output is 0
+  and its ``lse`` is ``-inf`` (never NaN).
+
+Kernel: Flash-Decoding over a flattened work list (see ``_attention_core``): each
+selection head's retrieved list is split in chunks of ``chunk_k`` keys, the new part
+in chunks of ``chunk_new``; one program per (query block, chunk) with the group's
+query heads stacked so one gathered K/V tile serves all of them; partial
+``(o, m, l)`` merged by log-sum-exp.  The same kernel serves decode (T = 1) and
+prefill (T > 1: rows = R heads x block_t tokens).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common as cm
+from pallas_kernels import _attention_core as core
+from pallas_kernels._attention_core import AttentionConfig
+from pallas_kernels._dispatch import resolve_backend
+
+__all__ = ["AttentionConfig", "sparse_attention", "sparse_attention_reference",
+           "gather_then_dense_attention", "clusters_to_indices"]
+
+
+def _validate(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new):
+  shapes = cm.shape_str(q=q, k=k, v=v, idx=idx, counts=counts, k_new=k_new, v_new=v_new,
+                        q_pos=q_pos, kv_pos_new=kv_pos_new)
+  if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+    raise ValueError(f"need q [Hq, T, d], k and v [Hkv, L, d]; got {shapes}")
+  hq, seq_len, d = q.shape
+  hkv, num_l, dk = k.shape
+  if dk != d or seq_len < 1 or num_l < 1:
+    raise ValueError(f"head dims must match and T, L >= 1; got {shapes}")
+  cm.check_heads(hq, hkv, shapes)
+  if idx.ndim != 2 or idx.shape[0] not in (hkv, hq) or counts.shape != (idx.shape[0],):
+    raise ValueError(f"need idx [Hs, cap] and counts [Hs] with Hs in (Hkv={hkv}, Hq={hq}); got {shapes}")
+  if (k_new.ndim != 3 or v_new.shape != k_new.shape or k_new.shape[0] != hkv
+      or k_new.shape[2] != d):
+    raise ValueError(f"need k_new and v_new [Hkv, S, d]; got {shapes}")
+  if q_pos.shape != (seq_len,) or kv_pos_new.shape != (k_new.shape[1],):
+    raise ValueError(f"need q_pos [T] and kv_pos_new [S]; got {shapes}")
+  cm.check_float("q", q)
+  cm.check_same_dtype(q=q, k=k, v=v, k_new=k_new, v_new=v_new)
+  for name, x in (("idx", idx), ("counts", counts), ("q_pos", q_pos), ("kv_pos_new", kv_pos_new)):
+    cm.check_int32(name, x)
+
+
+def dense_reference(q, keys, values, mask, *, scale):
+  """Masked softmax attention in f32.  q [Hs, r, T, d]; keys/values [Hs, n, d];
+  mask [Hs, T, n] bool.  Returns out [Hs, r, T, d] f32, lse [Hs, r, T] (-inf if empty)."""
+  logits = scale * jnp.einsum("srtd,snd->srtn", q.astype(jnp.float32), keys.astype(jnp.float32))
+  mask = mask[:, None]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  p = jnp.where(mask, jnp.exp(logits - mx), 0.0)
+  den = jnp.sum(p, axis=-1)
+  ok = den > 0
+  safe = jnp.where(ok, den, 1.0)
+  out = jnp.einsum("srtn,snd->srtd", p, values.astype(jnp.float32)) / safe[..., None]
+  out = jnp.where(ok[..., None], out, 0.0)
+  lse = jnp.where(ok, mx[..., 0] + jnp.log(safe), -jnp.inf)
+  return out, lse
+
+
+def _kv_head_of_selection(hq, hkv, hs):
+  r = hq // hs
+  return (jnp.arange(hs, dtype=jnp.int32) * r) // (hq // hkv)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse"))
+def sparse_attention_reference(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new, *,
+                               scale, return_lse=False):
+  """Plain-jnp version of ``sparse_attention`` (same conventions, duplicates counted)."""
+  hq, seq_len, d = q.shape
+  hkv, num_l, _ = k.shape
+  hs, cap = idx.shape
+  r = hq // hs
+  kvh = _kv_head_of_selection(hq, hkv, hs)
+  cnt = jnp.clip(counts, 0, cap)
+  valid = (jnp.arange(cap)[None, :] < cnt[:, None]) & (idx >= 0) & (idx < num_l)
+  sidx = jnp.where(valid, idx, 0)
+  ks = jnp.where(valid[..., None], k[kvh[:, None], sidx], 0)      # [Hs, cap, d]
+  vs = jnp.where(valid[..., None], v[kvh[:, None], sidx], 0)
+  vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])   # [T, S]
+  kn = jnp.where((kv_pos_new >= 0)[None, :, None], k_new, 0)[kvh]
+  vn = jnp.where((kv_pos_new >= 0)[None, :, None], v_new, 0)[kvh]
+  keys = jnp.concatenate([ks, kn], axis=1)
+  vals = jnp.concatenate([vs, vn], axis=1)
+  mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (hs, seq_len, cap)),
+                          jnp.broadcast_to(vis[None], (hs,) + vis.shape)], axis=2)
+  out, lse = dense_reference(q.reshape(hs, r, seq_len, d), keys, vals, mask, scale=scale)
+  out = out.reshape(hq, seq_len, d).astype(q.dtype)
+  lse = lse.reshape(hq, seq_len)
+  return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "config"))
+def sparse_attention(
+    q: jax.Array,            # [Hq, T, d]
+    k: jax.Array,            # [Hkv, L, d]  fixed-context keys
+    v: jax.Array,            # [Hkv, L, d]
+    idx: jax.Array,          # [Hs, cap] int32 retrieved positions
+    counts: jax.Array,       # [Hs] int32 valid entries per selection head
+    k_new: jax.Array,        # [Hkv, S, d]  user-input keys
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [T] int32
+    kv_pos_new: jax.Array,   # [S] int32 (-1 = empty)
+    *,
+    scale: float,
+    return_lse: bool = False,
+    backend: str = "auto",
+    config: AttentionConfig | None = None,
+):
+  """Attention over retrieved keys + causal new part; see the module docstring.
+
+  Returns o [Hq, T, d] in q's dtype (and lse [Hq, T] f32, natural log, -inf where a
+  query sees nothing, if ``return_lse``).
+  """
+  _validate(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return sparse_attention_reference(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new,
+                                      scale=scale, return_lse=return_lse)
+  hq, seq_len, d = q.shape
+  hs, cap = idx.shape
+  num_s = k_new.shape[1]
+  cfg = config or core.default_config(seq_len, d)
+  lay = core.row_layout(hq, seq_len, hs, cfg)
+  par = lay.n_qb * hs
+  chunk = core.auto_chunk(cap, par, cfg, cfg.chunk_k)
+  chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
+  n_sc = cm.cdiv(cap, chunk) if cap else 0
+  n_nc = cm.cdiv(num_s, chunk_new) if num_s else 0
+  wg = max(1, n_sc + n_nc)
+  cnt = jnp.clip(counts, 0, cap)
+  sel = jnp.arange(hs, dtype=jnp.int32)[:, None]
+  blocks, actives = [], []
+  if n_sc:
+    c = jnp.arange(n_sc, dtype=jnp.int32)[None, :]
+    lo = c * chunk
+    blocks.append(core.make_items(sel, core.KIND_LIST, lo, jnp.minimum(cnt[:, None], lo + chunk),
+                                  sel, sel * wg + c))
+    actives.append(jnp.broadcast_to(lo < cnt[:, None], (hs, n_sc)))
+  if n_nc:
+    c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
+    lo = c * chunk_new
+    blocks.append(core.make_items(sel, core.KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s),
+                                  sel, sel * wg + n_sc + c))
+    actives.append(jnp.ones((hs, n_nc), bool))
+  table, active = core.build_table(blocks, actives, hs)
+  o, m, l = core.attention_partials(
+      q, k, v, k_new if num_s else None, v_new, q_pos, kv_pos_new, idx if cap else None, table,
+      lay=lay, n_slots=hs * wg, scale=scale, cfg=cfg, backend=be)
+  out, lse = core.merge_partials(o, m, l, active, lay=lay, d=d)
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "backend"))
+def clusters_to_indices(
+    selected: jax.Array,         # [Hs, C] bool retrieved clusters
+    cluster_offsets: jax.Array,  # [Hkv, C + 1] int32 CSR offsets into cluster_keys
+    cluster_keys: jax.Array,     # [Hkv, N] int32 key positions grouped by cluster
+    *,
+    cap: int,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Retrieved clusters -> the ``(idx, counts)`` that ``sparse_attention`` takes.
+
+  The keys of cluster ``c`` of KV head ``kv`` are
+  ``cluster_keys[kv, cluster_offsets[kv, c] : cluster_offsets[kv, c + 1]]``;
+  selection head ``s`` reads KV head ``s // (Hs // Hkv)``.  Returns
+  ``idx [Hs, cap]`` (selected clusters' keys concatenated in cluster order, -1
+  padded), ``counts [Hs] = min(wanted, cap)`` and ``wanted [Hs]`` (keys the
+  selection asked for).  **Overflow**: ``wanted > cap`` means keys were dropped
+  (the last clusters' keys); the caller must check ``wanted`` (e.g. raise the
+  capacity, calibrated from the sparsity target) -- nothing is dropped silently
+  as long as it does.  Fully on device (scatter + cumsum, fused XLA on every
+  backend; ``backend`` is only validated), no host sync.
+  """
+  resolve_backend(backend)
+  if selected.ndim != 2 or cluster_offsets.ndim != 2 or cluster_keys.ndim != 2:
+    raise ValueError("need selected [Hs, C], cluster_offsets [Hkv, C + 1], cluster_keys "
+                     f"[Hkv, N]; got {cm.shape_str(selected=selected, cluster_offsets=cluster_offsets, cluster_keys=cluster_keys)}")
+  hs, num_c = selected.shape
+  hkv = cluster_offsets.shape[0]
+  if cluster_offsets.shape[1] != num_c + 1 or cluster_keys.shape[0] != hkv or hs % hkv:
+    raise ValueError("shape mismatch: "
+                     + cm.shape_str(selected=selected, cluster_offsets=cluster_offsets,
+                                    cluster_keys=cluster_keys))
+  if not isinstance(cap, int) or cap < 1:
+    raise ValueError(f"cap must be a positive int, got {cap!r}")
+  rows = jnp.arange(hs, dtype=jnp.int32) // (hs // hkv)
+  return cm.expand_ranges(selected, cluster_offsets, cluster_keys, rows, cap)
+
+
+# ----------------------------------------------------------------------------
+# Gather, then dense attention (prefill fast path to compare with the kernel).
+# ----------------------------------------------------------------------------
+def _compact(idx, counts, num_l):
+  """Moves the valid entries of each row to the front: (idx' [Hs, cap], n [Hs])."""
+  hs, cap = idx.shape
+  cnt = jnp.clip(counts, 0, cap)
+  valid = (jnp.arange(cap)[None, :] < cnt[:, None]) & (idx >= 0) & (idx < num_l)
+  pos = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
+  pos = jnp.where(valid, pos, cap)                                # cap = dropped
+  rows = jnp.broadcast_to(jnp.arange(hs)[:, None], (hs, cap))
+  out = jnp.zeros((hs, cap), jnp.int32).at[rows, pos].set(idx, mode="drop")
+  return out, jnp.sum(valid, axis=1).astype(jnp.int32)
+
+
+def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation):
+  """BTNH dense attention returning (out, lse [B, T, N] f32)."""
+  b, t, _, _ = query.shape
+  if implementation == "cudnn":
+    try:   # Private entry point: it returns the f32 softmax statistics (the public
+      # jax.nn API casts them to the input dtype, too coarse for a bf16 LSE merge).
+      from jax._src.cudnn import fused_attention_stablehlo as fa
+      mask_type = fa.MaskType.PADDING if kv_len is not None else fa.MaskType.NO_MASK
+      q_len = jnp.full((b,), t, jnp.int32) if kv_len is not None else None
+      out, stats = fa.dot_product_attention(
+          query, key, value, None, mask, q_len, kv_len, scale=scale, mask_type=mask_type,
+          qkv_layout="BTNH", return_residual=True)
+      return out, jnp.transpose(stats.astype(jnp.float32), (0, 2, 1))   # BNT -> BTN
+    except Exception:  # noqa: BLE001 - private API moved: fall back to the public one
+      pass
+  out, lse = jax.nn.dot_product_attention(
+      query, key, value, mask=mask, scale=scale, key_value_seq_lengths=kv_len,
+      implementation=implementation, return_residual=True)
+  return out, lse.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend"))
+def gather_then_dense_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, counts: jax.Array,
+    k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, kv_pos_new: jax.Array, *,
+    scale: float, return_lse: bool = False, backend: str = "auto"):
+  """Same result as ``sparse_attention`` by a different route (prefill fast path).
+
+  Compacts each selection head's valid entries (O(cap) cumsum + scatter), gathers
+  the retrieved K/V rows into contiguous ``[Hs, cap, d]`` buffers (``jnp.take``),
+  runs dense attention over them with per-head key lengths, runs dense attention
+  over the new part with the causal position mask, and merges both by
+  log-sum-exp.  Same conventions as ``sparse_attention`` (duplicates counted).
+
+  backend: "pallas" (and "auto" on GPU) = cuDNN flash attention
+  (``implementation="cudnn"``, bf16/fp16 only); "interpret" = the same plumbing
+  with XLA's dense attention (any device; its LSE is rounded to the input dtype);
+  "reference" (and "auto" elsewhere) = ``sparse_attention_reference``.
+  """
+  _validate(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return sparse_attention_reference(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new,
+                                      scale=scale, return_lse=return_lse)
+  impl = "cudnn" if be == "pallas" else "xla"
+  hq, seq_len, d = q.shape
+  hkv, num_l, _ = k.shape
+  hs, cap = idx.shape
+  num_s = k_new.shape[1]
+  r = hq // hs
+  kvh = _kv_head_of_selection(hq, hkv, hs)
+  comp, n = _compact(idx, counts, num_l)
+  rows = (kvh[:, None] * num_l + comp).reshape(-1)
+  live = (jnp.arange(cap)[None, :] < n[:, None]).reshape(-1, 1)   # padding rows -> 0 (fused)
+  ks = jnp.where(live, jnp.take(k.reshape(hkv * num_l, d), rows, axis=0), 0).reshape(hs, cap, 1, d)
+  vs = jnp.where(live, jnp.take(v.reshape(hkv * num_l, d), rows, axis=0), 0).reshape(hs, cap, 1, d)
+  qs = jnp.transpose(q.reshape(hs, r, seq_len, d), (0, 2, 1, 3))  # [Hs, T, r, d] (BTNH)
+  parts = []
+  if cap:
+    o1, lse1 = _dense_attention(qs, ks, vs, mask=None, kv_len=n, scale=scale,
+                                implementation=impl)              # [Hs, T, r, d], [Hs, T, r]
+    o1 = jnp.transpose(o1, (0, 2, 1, 3)).reshape(hq, seq_len, d)
+    lse1 = jnp.transpose(lse1, (0, 2, 1)).reshape(hq, seq_len)
+    has1 = jnp.repeat(n > 0, r)[:, None]
+    parts.append((o1, lse1, jnp.broadcast_to(has1, (hq, seq_len))))
+  if num_s:
+    vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])   # [T, S]
+    slot = (kv_pos_new >= 0)[:, None, None]                       # empty slots -> 0
+    o2, lse2 = _dense_attention(
+        jnp.transpose(q, (1, 0, 2))[None],
+        jnp.where(slot, jnp.transpose(k_new, (1, 0, 2)), 0)[None],
+        jnp.where(slot, jnp.transpose(v_new, (1, 0, 2)), 0)[None], mask=vis[None, None], kv_len=None,
+        scale=scale, implementation=impl)                         # [1, T, Hq, d], [1, T, Hq]
+    has2 = jnp.broadcast_to(jnp.any(vis, axis=1)[None, :], (hq, seq_len))
+    parts.append((jnp.transpose(o2[0], (1, 0, 2)), jnp.transpose(lse2[0], (1, 0)), has2))
+  out = jnp.zeros((hq, seq_len, d), jnp.float32)
+  if not parts:
+    lse = jnp.full((hq, seq_len), -jnp.inf)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
+  lses = [jnp.where(h, jnp.nan_to_num(x), -jnp.inf) for _, x, h in parts]
+  mx = functools.reduce(jnp.maximum, lses)
+  ok = jnp.isfinite(mx)
+  mx_safe = jnp.where(ok, mx, 0.0)
+  den = jnp.zeros_like(mx_safe)
+  for (o_i, _, h), lse_i in zip(parts, lses):
+    w = jnp.where(h & ok, jnp.exp(lse_i - mx_safe), 0.0)
+    den = den + w
+    out = out + jnp.where(h[..., None], o_i.astype(jnp.float32), 0.0) * w[..., None]
+  safe = jnp.where(den > 0, den, 1.0)
+  out = jnp.where((den > 0)[..., None], out / safe[..., None], 0.0).astype(q.dtype)
+  lse = jnp.where(den > 0, mx_safe + jnp.log(safe), -jnp.inf)
+  return (out, lse) if return_lse else out

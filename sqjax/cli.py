@@ -1,0 +1,265 @@
+"""`sqjax` command line: demo, index, ask, eval, bench, train-qclassifier.
+
+Errors print one line on stderr and exit non-zero (a traceback only with --debug).
+Every subcommand takes --json for machine-readable output on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+DEMO_MODULE = "json"
+DEMO_QUESTIONS = (
+    "What does json.dumps return?",
+    "Which exception does json.loads raise for invalid JSON?",
+    "Summarize what the json module is for.",
+)
+METHOD_CHOICES = ("squeezed", "hsqueezed", "quest", "snapkv", "saap", "streaming", "oracle", "full")
+
+
+def _enable_compilation_cache() -> None:
+    """Persist XLA compilations across runs (the model's forward takes tens of seconds to compile on CPU)."""
+    import jax
+
+    cache = os.environ.get("SQJAX_CACHE_DIR", os.path.join(Path.home(), ".cache", "sqjax", "xla"))
+    try:
+        os.makedirs(cache, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except Exception:  # a read-only home must not stop the CLI
+        pass
+
+
+def demo_document() -> str:
+    """The demo's real document: the plain-text pydoc rendering of the stdlib `json` module."""
+    import pydoc
+
+    return pydoc.render_doc(DEMO_MODULE, renderer=pydoc.plaintext)
+
+
+def make_method(name: str, sparsity: float | None = None, budget: float | None = None, **extra):
+    from sqjax.methods import method_from_name
+
+    kwargs = dict(extra)
+    if name in ("squeezed", "hsqueezed") and sparsity is not None:
+        kwargs["sparsity"] = sparsity
+    if name in ("quest", "snapkv", "streaming", "oracle"):
+        if budget is None and sparsity is not None:
+            budget = 1.0 - sparsity
+        if budget is not None:
+            kwargs["budget"] = budget
+    if name == "saap" and sparsity is not None:
+        raise ValueError("SAAP's budget is set by --probes, not --sparsity")
+    return method_from_name(name, **kwargs)
+
+
+def _out(args, payload: dict, text: str) -> None:
+    if args.json:
+        print(json.dumps(payload, indent=1, default=float))
+    else:
+        print(text)
+
+
+def _agreement(a: list, b: list) -> float:
+    """Fraction of the reference answer's token positions where both answers hold the same token."""
+    if not b:
+        return float(a == b)
+    return sum(x == y for x, y in zip(a, b)) / len(b)
+
+
+def cmd_demo(args) -> int:
+    import sqjax
+    from sqjax.fixed_context import FixedContext
+
+    t_start = time.perf_counter()
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
+    say(f"loading {args.model} ...")
+    model = sqjax.load_model(args.model)
+    doc = demo_document()
+    method = sqjax.Squeezed(sparsity=args.sparsity, n_sink=args.n_sink)
+    say(f"indexing the pydoc page of `{DEMO_MODULE}` with {method.label} ...")
+    ctx = FixedContext.build(model, doc, method, truncate=True, progress=not args.json)
+    full = ctx.with_method(sqjax.Full())
+    say(f"document: {ctx.n_tokens} tokens; threshold T={ctx.info['threshold']:.3g}; "
+        f"index built in {ctx.info['index_seconds']:.1f}s\n")
+    rows = []
+    for q in DEMO_QUESTIONS[: args.questions]:
+        a = ctx.ask(q, max_new_tokens=args.max_new_tokens)
+        b = full.ask(q, max_new_tokens=args.max_new_tokens)
+        agree = _agreement(a.token_ids, b.token_ids)
+        rows.append({"question": q, "squeezed": str(a), "full": str(b), "token_agreement": agree,
+                     "squeezed_stats": a.stats.to_dict(), "full_stats": b.stats.to_dict()})
+        say(f"Q: {q}")
+        say(f"  {method.label:>14}: {a.strip()!r}")
+        say(f"  {'full':>14}: {b.strip()!r}")
+        say(f"  KV budget {a.stats.kv_budget:.3f} (prefill {a.stats.kv_budget_prefill:.3f}) | "
+            f"time/token {1e3 * a.stats.time_per_output_token_s:.1f} ms vs full {1e3 * b.stats.time_per_output_token_s:.1f} ms | "
+            f"token agreement {agree:.0%}\n")
+    total = time.perf_counter() - t_start
+    say(f"done in {total:.0f}s (CPU timings include no GPU kernels; see README for GPU numbers)")
+    if args.json:
+        _out(args, {"model": model.name, "document_tokens": ctx.n_tokens, "method": method.label,
+                    "info": ctx.info, "answers": rows, "seconds": total}, "")
+    return 0
+
+
+def cmd_index(args) -> int:
+    import sqjax
+    from sqjax.fixed_context import FixedContext, SqjaxError
+
+    doc_path = Path(args.document)
+    if not doc_path.is_file():
+        raise SqjaxError(f"document {str(doc_path)!r} not found")
+    out = Path(args.output)
+    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise SqjaxError(f"output directory {str(out.parent)!r} does not exist; create it first")
+    try:
+        text = doc_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SqjaxError(f"{doc_path} is not UTF-8 text") from None
+    extra = {}
+    if args.method in ("squeezed", "hsqueezed"):
+        extra["n_sink"] = args.n_sink
+    if args.method == "saap" and args.probes:
+        extra["probes"] = args.probes
+    method = make_method(args.method, args.sparsity, args.budget, **extra)
+    model = sqjax.load_model(args.model)
+    t0 = time.perf_counter()
+    ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=not args.json, chat=not args.raw)
+    ctx.save(out)
+    payload = {"index": str(out), "document_tokens": ctx.n_tokens, "method": method.label,
+               "model": model.name, "seconds": time.perf_counter() - t0, "info": ctx.info}
+    _out(args, payload, f"indexed {ctx.n_tokens} tokens with {method.label} -> {out} ({payload['seconds']:.1f}s)")
+    return 0
+
+
+def cmd_ask(args) -> int:
+    import sqjax
+    from sqjax.fixed_context import FixedContext, SqjaxError
+    from sqjax.index_io import IndexFileError, read_header
+
+    path = Path(args.index)
+    try:
+        header = read_header(path)
+    except IndexFileError as e:
+        raise SqjaxError(str(e)) from None
+    model = sqjax.load_model(args.model or header.get("model_source") or "smollm2-135m")
+    ctx = FixedContext.load(path, model)
+    stream = None if args.json else (lambda s: print(s, end="", flush=True))
+    ans = ctx.ask(args.question, max_new_tokens=args.max_new_tokens, on_token=stream)
+    if args.json:
+        _out(args, {"answer": str(ans), "token_ids": ans.token_ids, "stats": ans.stats.to_dict()}, "")
+    else:
+        s = ans.stats
+        print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, "
+              f"{1e3 * s.time_per_output_token_s:.1f} ms/token{', OVERFLOW' if s.overflow else ''}]")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from benchmarks.quality import main as quality_main
+
+    return quality_main(args)
+
+
+def cmd_bench(args) -> int:
+    from benchmarks.speed import main as speed_main
+
+    return speed_main(args)
+
+
+def cmd_train(args) -> int:
+    from train_qclassifier.__main__ import main as train_main
+
+    return train_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sqjax", description=__doc__.splitlines()[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+
+    d = sub.add_parser("demo", help="index a real document with the embedded model and answer 3 questions")
+    common(d)
+    d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--sparsity", type=float, default=0.9)
+    d.add_argument("--n-sink", type=int, default=1, help="attention-sink tokens kept exactly (0 = paper exact)")
+    d.add_argument("--questions", type=int, default=3)
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.set_defaults(fn=cmd_demo)
+
+    i = sub.add_parser("index", help="prefill a document once and build an index (.sqx)")
+    common(i)
+    i.add_argument("document")
+    i.add_argument("-o", "--output", required=True)
+    i.add_argument("--model", default="smollm2-135m")
+    i.add_argument("--method", default="squeezed", choices=METHOD_CHOICES)
+    i.add_argument("--sparsity", type=float, default=None, help="squeezed: fraction pruned (default 0.9)")
+    i.add_argument("--budget", type=float, default=None, help="quest/snapkv/streaming/oracle: fraction kept")
+    i.add_argument("--probes", type=int, default=None, help="saap: buckets visited per query")
+    i.add_argument("--n-sink", type=int, default=0, help="squeezed: attention-sink tokens kept exactly")
+    i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
+    i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
+    i.set_defaults(fn=cmd_index)
+
+    a = sub.add_parser("ask", help="answer a question against an index")
+    common(a)
+    a.add_argument("index")
+    a.add_argument("question")
+    a.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")
+    a.add_argument("--max-new-tokens", type=int, default=64)
+    a.set_defaults(fn=cmd_ask)
+
+    e = sub.add_parser("eval", help="quality of every method at matched KV budgets vs full attention")
+    common(e)
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--docs", nargs="*", default=None, help="text files (default: built-in pydoc pages + papers)")
+    e.add_argument("--methods", nargs="*", default=None)
+    e.add_argument("--budgets", nargs="*", type=float, default=None)
+    e.add_argument("--classifier", default=None, help="trained SAAP classifier directory")
+    e.add_argument("--quick", action="store_true", help="a small smoke run")
+    e.add_argument("-o", "--out", default="benchmarks/results/quality")
+    e.set_defaults(fn=cmd_eval)
+
+    b = sub.add_parser("bench", help="GPU speed benchmarks vs the best dense attention")
+    common(b)
+    b.add_argument("--contexts", nargs="*", type=int, default=None)
+    b.add_argument("--sparsities", nargs="*", type=float, default=None)
+    b.add_argument("--quick", action="store_true")
+    b.add_argument("-o", "--out", default="benchmarks/results")
+    b.set_defaults(fn=cmd_bench)
+
+    t = sub.add_parser("train-qclassifier", help="train the SAAP query classifier (see python -m train_qclassifier --help)")
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(fn=cmd_train, json=False)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _enable_compilation_cache()
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        print("sqjax: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line unless --debug
+        if getattr(args, "debug", False):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"sqjax: error: {msg}", file=sys.stderr)
+        return 2 if isinstance(e, (ValueError, FileNotFoundError, ImportError, OSError)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The one point where sqjax calls `pallas_kernels`: compiled kernels on GPU, references elsewhere.
+
+Backends (as in `pallas_kernels`): "auto" (compiled Pallas on GPU, plain jnp elsewhere),
+"pallas", "interpret" (the Pallas interpreter: what the CPU tests use), "reference".
+The backend is chosen per call site (`SparseAttentionHook.backend`) or globally with
+`using(...)`; it is read at trace time, so it is part of what a jitted function was built for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+
+from sqjax.attention import fixed_context_attention
+
+_state = threading.local()
+BACKENDS = ("auto", "pallas", "interpret", "reference")
+
+
+def current() -> str:
+    return getattr(_state, "backend", "auto")
+
+
+@contextlib.contextmanager
+def using(backend: str):
+    """Run (trace) the enclosed code with `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    prev = current()
+    _state.backend = backend
+    try:
+        yield
+    finally:
+        _state.backend = prev
+
+
+def resolved() -> str:
+    """"pallas", "interpret" or "reference" for the current setting."""
+    b = current()
+    if b == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return b
+
+
+def cluster_scores(q, centroids, counts, scale: float, vote: str):
+    """Eq. 1 scores [Hs, C] through the centroid-lookup kernel, or None to use the jnp path."""
+    b = resolved()
+    if b == "reference":
+        return None
+    from pallas_kernels import centroid_lookup_decode, centroid_lookup_prefill
+
+    thr = jax.numpy.float32(0.0)
+    if q.shape[1] == 1:
+        _, s = centroid_lookup_decode(q[:, 0], centroids, counts, thr, scale=scale, vote=vote, backend=b)
+    else:
+        _, s = centroid_lookup_prefill(q, centroids, counts, thr, scale=scale, vote=vote, backend=b)
+    return s
+
+
+def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):
+    """Exact attention over a selection of the fixed context + the causal user input.
+
+    Compact selections (positions + counts, e.g. Squeezed) go to the split-KV sparse kernel;
+    masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
+    """
+    b = resolved()
+    ret = selection.retrieval
+    if b == "reference" or ret is None:
+        return fixed_context_attention(q, k_fixed, v_fixed, selection.mask, k_new, v_new, q_pos, kv_pos, scale)
+    from pallas_kernels import sparse_attention
+
+    return sparse_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
+                            scale=scale, backend=b)

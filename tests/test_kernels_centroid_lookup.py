@@ -1,0 +1,204 @@
+"""Centroid lookup (Eq. 1): Pallas interpret vs reference vs brute-force numpy."""
+import os
+import random
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_decode,
+                                            centroid_lookup_prefill, centroid_lookup_reference)
+
+RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
+
+
+@pytest.fixture
+def rng(request):
+  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
+  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
+  return np.random.default_rng(seed)
+
+
+def brute_scores(q, cent, counts, scale, vote):
+  """Eq. 1 by loops in float64; q [Hq, T, d] -> [Hs, C]."""
+  q = np.asarray(q, np.float64)
+  cent = np.asarray(cent, np.float64)
+  counts = np.asarray(counts)
+  hq, seq_len, _ = q.shape
+  hkv, num_c, _ = cent.shape
+  g = hq // hkv
+  s = np.zeros((hq, num_c))
+  for h in range(hq):
+    kv = h // g
+    live = [i for i in range(num_c) if counts[kv, i] > 0]
+    for t in range(seq_len):
+      if not live:
+        continue
+      logit = {i: scale * float(q[h, t] @ cent[kv, i]) for i in live}
+      mx = max(logit.values())
+      den = sum(counts[kv, i] * np.exp(logit[i] - mx) for i in live)
+      for i in live:
+        s[h, i] += np.exp(logit[i] - mx) / den / seq_len
+  if vote == "kv":
+    s = s.reshape(hkv, g, num_c).mean(axis=1)
+  return s
+
+
+def make_inputs(rng, hq, hkv, seq_len, num_c, d, dtype, empty_frac=0.2):
+  q = rng.normal(size=(hq, seq_len, d)) * 1.5
+  cent = rng.normal(size=(hkv, num_c, d))
+  counts = rng.integers(1, 30, size=(hkv, num_c))
+  counts[rng.random((hkv, num_c)) < empty_frac] = 0
+  return (jnp.asarray(q, dtype), jnp.asarray(cent, dtype), jnp.asarray(counts, jnp.int32))
+
+
+def pick_threshold(scores, frac=0.3):
+  s = np.asarray(scores)
+  s = s[s > 0]
+  return np.float32(np.quantile(s, 1 - frac)) if s.size else np.float32(0.0)
+
+
+def check_selected(sel, scores, thr, ref_scores, tol):
+  sel, scores, ref_scores = map(np.asarray, (sel, scores, ref_scores))
+  np.testing.assert_array_equal(sel, scores > thr)      # kernel self-consistent
+  far = np.abs(ref_scores - thr) > tol                     # away from the boundary
+  np.testing.assert_array_equal(sel[far], (ref_scores > thr)[far])
+
+
+TOL = {dt: dict(rtol=2e-5, atol=1e-7) for dt in (jnp.float32, jnp.bfloat16, jnp.float16)}
+
+CASES = [  # hq, hkv, T, C, d, dtype, vote
+    (8, 2, 37, 150, 64, jnp.float32, "kv"),    # GQA 4:1, ragged T and C
+    (8, 2, 37, 150, 64, jnp.bfloat16, "q"),
+    (4, 4, 5, 33, 128, jnp.float16, "kv"),     # MHA 1:1, d=128, fp16
+    (6, 2, 3, 20, 24, jnp.float32, "q"),       # g=3, d=24 (padded to 32)
+]
+
+
+@pytest.mark.parametrize("hq,hkv,seq_len,num_c,d,dtype,vote", CASES)
+def test_prefill_interpret_matches_reference(rng, hq, hkv, seq_len, num_c, d, dtype, vote):
+  q, cent, counts = make_inputs(rng, hq, hkv, seq_len, num_c, d, dtype)
+  scale = d ** -0.5
+  _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=scale, vote=vote)
+  thr = pick_threshold(ref)
+  sel, sc = centroid_lookup_prefill(q, cent, counts, thr, scale=scale, vote=vote,
+                                    backend="interpret",
+                                    config=CentroidLookupConfig(block_c=32, block_t=16))
+  hs = hkv if vote == "kv" else hq
+  assert sel.shape == sc.shape == (hs, num_c) and sel.dtype == bool and sc.dtype == jnp.float32
+  assert np.isfinite(np.asarray(sc)).all()
+  np.testing.assert_allclose(sc, ref, **TOL[dtype])
+  check_selected(sel, sc, thr, ref, 1e-5 * float(np.max(ref)))
+
+
+@pytest.mark.parametrize("hq,hkv,seq_len,num_c,d,dtype,vote", CASES)
+def test_decode_interpret_matches_reference(rng, hq, hkv, seq_len, num_c, d, dtype, vote):
+  q, cent, counts = make_inputs(rng, hq, hkv, 1, num_c, d, dtype)
+  q = q[:, 0]
+  scale = d ** -0.5
+  _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=scale, vote=vote)
+  thr = pick_threshold(ref)
+  sel, sc = centroid_lookup_decode(q, cent, counts, thr, scale=scale, vote=vote,
+                                   backend="interpret", config=CentroidLookupConfig(block_c=32))
+  assert np.isfinite(np.asarray(sc)).all()
+  np.testing.assert_allclose(sc, ref, **TOL[dtype])
+  check_selected(sel, sc, thr, ref, 1e-5 * float(np.max(ref)))
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+@pytest.mark.parametrize("seq_len", [1, 7])
+def test_reference_matches_bruteforce(rng, vote, seq_len):
+  q, cent, counts = make_inputs(rng, 6, 2, seq_len, 23, 16, jnp.float32)
+  thr = np.float32(0.01)
+  sel, sc = centroid_lookup_reference(q, cent, counts, thr, scale=0.3, vote=vote)
+  bf = brute_scores(q, cent, counts, 0.3, vote)
+  np.testing.assert_allclose(sc, bf, rtol=1e-5, atol=1e-8)
+  valid = np.asarray(counts > 0)
+  if vote == "q":
+    valid = np.repeat(valid, 3, axis=0)
+  far = np.abs(bf - thr) > 1e-6
+  np.testing.assert_array_equal(np.asarray(sel)[far], ((bf > thr) & valid)[far])
+  # Eq. 1 is a distribution over keys: sum_i N_i S_i = 1 for every head with a live cluster.
+  nsum = (bf * (np.repeat(np.asarray(counts), 3, 0) if vote == "q" else np.asarray(counts))).sum(1)
+  np.testing.assert_allclose(nsum[valid.any(1)], 1.0, rtol=1e-6)
+
+
+def test_empty_heads_and_poisoned_invalid_centroids(rng):
+  """A KV head with no valid cluster, NaN centroids in empty clusters: no NaN anywhere."""
+  hq, hkv, seq_len, num_c, d = 4, 2, 9, 40, 32
+  q, cent, counts = make_inputs(rng, hq, hkv, seq_len, num_c, d, jnp.float32, empty_frac=0.4)
+  counts = counts.at[1].set(0)                                  # KV head 1: all empty
+  cent = jnp.where((counts == 0)[..., None], jnp.nan, cent)     # poison what must not be read
+  for backend in ("interpret", "reference"):
+    for vote in ("kv", "q"):
+      sel, sc = centroid_lookup_prefill(q, cent, counts, jnp.float32(-1.0), scale=0.2,
+                                        vote=vote, backend=backend)
+      sel_d, sc_d = centroid_lookup_decode(q[:, 0], cent, counts, jnp.float32(-1.0),
+                                           scale=0.2, vote=vote, backend=backend)
+      for s_, x in ((sel, sc), (sel_d, sc_d)):
+        x = np.asarray(x)
+        assert np.isfinite(x).all(), backend
+        valid = np.asarray(counts > 0)
+        if vote == "q":
+          valid = np.repeat(valid, 2, axis=0)
+        assert (x[~valid] == 0).all()
+        # threshold -1: exactly the valid clusters are selected, never an invalid one
+        np.testing.assert_array_equal(np.asarray(s_), valid)
+
+
+def test_threshold_is_traced(rng):
+  q, cent, counts = make_inputs(rng, 4, 2, 4, 30, 16, jnp.float32)
+  f = jax.jit(lambda t: centroid_lookup_prefill(q, cent, counts, t, scale=0.25,
+                                                backend="interpret"))
+  sel_lo, sc = f(jnp.float32(0.0))
+  sel_hi, _ = f(jnp.float32(1.0))
+  assert f._cache_size() == 1
+  np.testing.assert_array_equal(sel_lo, np.asarray(sc) > 0)
+  assert not np.asarray(sel_hi).any()
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 3]), seq_len=st.integers(1, 20),
+       num_c=st.integers(1, 45), d=st.sampled_from([16, 20, 64]), vote=st.sampled_from(["kv", "q"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_random_shapes(hkv, g, seq_len, num_c, d, vote, seed):
+  rng = np.random.default_rng(seed)
+  q, cent, counts = make_inputs(rng, hkv * g, hkv, seq_len, num_c, d, jnp.float32)
+  cfg = CentroidLookupConfig(block_c=16, block_t=16)
+  _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=0.2, vote=vote)
+  _, sc = centroid_lookup_prefill(q, cent, counts, 0.0, scale=0.2, vote=vote,
+                                  backend="interpret", config=cfg)
+  np.testing.assert_allclose(sc, ref, rtol=2e-5, atol=1e-7)
+  _, ref_d = centroid_lookup_reference(q[:, 0], cent, counts, 0.0, scale=0.2, vote=vote)
+  _, sc_d = centroid_lookup_decode(q[:, 0], cent, counts, 0.0, scale=0.2, vote=vote,
+                                   backend="interpret", config=cfg)
+  np.testing.assert_allclose(sc_d, ref_d, rtol=2e-5, atol=1e-7)
+
+
+def test_validation_errors():
+  q = jnp.zeros((8, 3, 16))
+  cent = jnp.zeros((2, 5, 16))
+  counts = jnp.ones((2, 5), jnp.int32)
+  with pytest.raises(ValueError, match="q must be"):
+    centroid_lookup_prefill(q[:, 0], cent, counts, 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="counts"):
+    centroid_lookup_prefill(q, cent, counts[:, :4], 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="multiple"):
+    centroid_lookup_prefill(jnp.zeros((7, 3, 16)), cent, counts, 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="int32"):
+    centroid_lookup_prefill(q, cent, counts.astype(jnp.float32), 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="dtypes must match"):
+    centroid_lookup_prefill(q, cent.astype(jnp.bfloat16), counts, 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="vote"):
+    centroid_lookup_decode(q[:, 0], cent, counts, 0.0, scale=1.0, vote="x")
+  with pytest.raises(ValueError, match="threshold"):
+    centroid_lookup_decode(q[:, 0], cent, counts, jnp.zeros(2), scale=1.0)
+  with pytest.raises(ValueError, match="backend"):
+    centroid_lookup_decode(q[:, 0], cent, counts, 0.0, scale=1.0, backend="triton")
+  with pytest.raises(ValueError, match="block_c"):
+    CentroidLookupConfig(block_c=24)
+  with pytest.raises(ValueError, match="num_warps"):
+    CentroidLookupConfig(num_warps=3)

@@ -1,0 +1,202 @@
+"""Hierarchical lookup (Eq. 2-3): Pallas interpret vs reference vs brute-force numpy."""
+import os
+import random
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pallas_kernels.centroid_lookup import CentroidLookupConfig, centroid_lookup_reference
+from pallas_kernels.hierarchical_lookup import (children_csr, hierarchical_lookup_decode,
+                                                hierarchical_lookup_prefill,
+                                                hierarchical_lookup_reference)
+
+RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
+
+
+@pytest.fixture
+def rng(request):
+  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
+  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
+  return np.random.default_rng(seed)
+
+
+def _eq1_rows(qh, cent, counts, allowed, scale):
+  """Mean over tokens of Eq. 1 for one query head; qh [T, d]; allowed: set of ids."""
+  num_c = cent.shape[0]
+  out = np.zeros(num_c)
+  live = [i for i in range(num_c) if i in allowed and counts[i] > 0]
+  if not live:
+    return out
+  for qt in qh:
+    logit = {i: scale * float(qt @ cent[i]) for i in live}
+    mx = max(logit.values())
+    den = sum(counts[i] * np.exp(logit[i] - mx) for i in live)
+    for i in live:
+      out[i] += np.exp(logit[i] - mx) / den / len(qh)
+  return out
+
+
+def brute_hierarchical(q, c1, n1, c2, n2, parent, t1, t2, scale, vote):
+  q, c1, c2 = (np.asarray(x, np.float64) for x in (q, c1, c2))
+  n1, n2, parent = np.asarray(n1), np.asarray(n2), np.asarray(parent)
+  if q.ndim == 2:
+    q = q[:, None]
+  hq = q.shape[0]
+  hkv, num_c1, _ = c1.shape
+  num_c2 = c2.shape[1]
+  g = hq // hkv
+  groups = [[h] for h in range(hq)] if vote == "q" else [list(range(s * g, s * g + g))
+                                                         for s in range(hkv)]
+  sel = np.zeros((len(groups), num_c2), bool)
+  scores = np.zeros((len(groups), num_c2))
+  touched = np.zeros(len(groups), int)
+  for s, heads in enumerate(groups):
+    kv = heads[0] // g
+    s1 = np.mean([_eq1_rows(q[h], c1[kv], n1[kv], set(range(num_c1)), scale) for h in heads], 0)
+    surv = {p for p in range(num_c1) if n1[kv, p] > 0 and s1[p] > t1}
+    cand = {l for l in range(num_c2) if parent[kv, l] in surv}
+    s2 = np.mean([_eq1_rows(q[h], c2[kv], n2[kv], cand, scale) for h in heads], 0)
+    scores[s] = s2
+    sel[s] = (s2 > t2) & np.isin(np.arange(num_c2), list(cand)) & (n2[kv] > 0)
+    touched[s] = num_c1 + len(cand)
+  return sel, scores, touched
+
+
+def make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype):
+  q = rng.normal(size=(hq, seq_len, d)) * 1.5
+  c2 = rng.normal(size=(hkv, num_c2, d))
+  parent = rng.integers(0, num_c1, size=(hkv, num_c2))
+  c1 = np.stack([np.stack([c2[h, parent[h] == p].mean(0) if (parent[h] == p).any()
+                           else np.zeros(d) for p in range(num_c1)]) for h in range(hkv)])
+  n2 = rng.integers(1, 20, size=(hkv, num_c2))
+  n2[rng.random((hkv, num_c2)) < 0.15] = 0
+  n1 = np.stack([[n2[h, parent[h] == p].sum() for p in range(num_c1)] for h in range(hkv)])
+  j = lambda x, t: jnp.asarray(x, t)
+  return (j(q, dtype), j(c1, dtype), j(n1, jnp.int32), j(c2, dtype), j(n2, jnp.int32),
+          j(parent, jnp.int32))
+
+
+def thresholds(q, c1, n1, vote, scale):
+  _, s1 = centroid_lookup_reference(q, c1, n1, 0.0, scale=scale, vote=vote)
+  s1 = np.unique(np.asarray(s1)[np.asarray(s1) > 0])
+  # T1 in the widest gap between adjacent level-1 scores near the median, so that
+  # rounding differences cannot flip a level-1 survivor.
+  mid = len(s1) // 2
+  lo, hi = max(0, mid - 3), min(len(s1) - 1, mid + 3)
+  k = lo + int(np.argmax(np.diff(s1[lo:hi + 1]))) if hi > lo else 0
+  t1 = (s1[k] + s1[k + 1]) / 2 if hi > lo else -1.0
+  return np.float32(t1), np.float32(0.5 / c1.shape[1] / 4)
+
+
+CASES = [  # hq, hkv, T, C1, C2, d, dtype, vote, prefill
+    (8, 2, 21, 13, 90, 64, jnp.float32, "kv", True),
+    (8, 2, 21, 13, 90, 64, jnp.bfloat16, "q", True),
+    (8, 2, 1, 13, 90, 64, jnp.float32, "q", False),
+    (4, 4, 6, 7, 40, 128, jnp.bfloat16, "kv", False),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,seq_len,num_c1,num_c2,d,dtype,vote,prefill", CASES)
+def test_interpret_matches_reference(rng, prefill, hq, hkv, seq_len, num_c1, num_c2, d, dtype,
+                                     vote):
+  q, c1, n1, c2, n2, parent = make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype)
+  if not prefill:
+    q = q[:, 0]
+  off, ch = children_csr(parent, num_c1)
+  scale = d ** -0.5
+  t1, t2 = thresholds(q, c1, n1, vote, scale)
+  f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
+  args = (q, c1, n1, c2, n2, off, ch, t1, t2)
+  sel, sc, nt = f(*args, scale=scale, vote=vote, backend="interpret",
+                  config=CentroidLookupConfig(block_c=16, block_t=16))
+  rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
+  hs = hkv if vote == "kv" else hq
+  assert sel.shape == sc.shape == (hs, num_c2) and nt.shape == (hs,) and nt.dtype == jnp.int32
+  assert np.isfinite(np.asarray(sc)).all()
+  # Level-1 survivors could flip only for scores at T1 within rounding: check they agree.
+  np.testing.assert_array_equal(nt, rnt)
+  np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-7)
+  far = np.abs(np.asarray(rsc) - t2) > 1e-5 * float(np.max(rsc))
+  np.testing.assert_array_equal(np.asarray(sel)[far], np.asarray(rsel)[far])
+  assert (np.asarray(nt) < num_c1 + num_c2).all()               # the point: fewer centroids
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_reference_matches_bruteforce(rng, vote):
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 6, 2, 5, 6, 30, 16, jnp.float32)
+  off, ch = children_csr(parent, 6)
+  t1, t2 = thresholds(q, c1, n1, vote, 0.3)
+  sel, sc, nt = hierarchical_lookup_reference(q, c1, n1, c2, n2, off, ch, t1, t2, scale=0.3,
+                                              vote=vote)
+  bsel, bsc, bnt = brute_hierarchical(q, c1, n1, c2, n2, parent, t1, t2, 0.3, vote)
+  np.testing.assert_array_equal(nt, bnt)
+  np.testing.assert_allclose(sc, bsc, rtol=1e-5, atol=1e-8)
+  far = np.abs(bsc - t2) > 1e-6
+  np.testing.assert_array_equal(np.asarray(sel)[far], bsel[far])
+
+
+def test_no_pruning_equals_one_level_lookup(rng):
+  """T1 below every score: Eq. 3 over all level-2 clusters is Eq. 1."""
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 4, 5, 50, 32, jnp.float32)
+  off, ch = children_csr(parent, 5)
+  for backend in ("interpret", "reference"):
+    sel, sc, nt = hierarchical_lookup_prefill(q, c1, n1, c2, n2, off, ch, -1.0, 0.01, scale=0.2,
+                                              backend=backend)
+    _, osc = centroid_lookup_reference(q, c2, n2, 0.01, scale=0.2)
+    np.testing.assert_allclose(sc, osc, rtol=3e-5, atol=1e-8)
+    np.testing.assert_array_equal(nt, 5 + 50)
+
+
+def test_everything_pruned(rng):
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 4, 2, 3, 4, 20, 16, jnp.float32)
+  off, ch = children_csr(parent, 4)
+  for backend in ("interpret", "reference"):
+    sel, sc, nt = hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, off, ch, 2.0, -1.0,
+                                             scale=0.2, backend=backend)
+    assert not np.asarray(sel).any()
+    np.testing.assert_array_equal(sc, 0.0)
+    np.testing.assert_array_equal(nt, 4)
+
+
+def test_children_csr(rng):
+  parent = jnp.asarray(rng.integers(-1, 6, size=(2, 25)), jnp.int32)   # -1: orphan
+  off, ch = children_csr(parent, 5)                                    # 5: orphan too
+  off, ch, parent = map(np.asarray, (off, ch, parent))
+  for h in range(2):
+    assert sorted(ch[h].tolist()) == list(range(25))
+    for p in range(5):
+      assert sorted(ch[h, off[h, p]:off[h, p + 1]].tolist()) == np.flatnonzero(parent[h] == p).tolist()
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]), seq_len=st.integers(1, 9),
+       num_c1=st.integers(1, 8), num_c2=st.integers(1, 40), vote=st.sampled_from(["kv", "q"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_random_shapes(hkv, g, seq_len, num_c1, num_c2, vote, seed):
+  rng = np.random.default_rng(seed)
+  q, c1, n1, c2, n2, parent = make_inputs(rng, hkv * g, hkv, seq_len, num_c1, num_c2, 16,
+                                          jnp.float32)
+  off, ch = children_csr(parent, num_c1)
+  t1 = np.float32(0.5 / num_c1 / 10)
+  args = (q, c1, n1, c2, n2, off, ch, t1, np.float32(0.0))
+  _, sc, nt = hierarchical_lookup_prefill(*args, scale=0.2, vote=vote, backend="interpret")
+  _, rsc, rnt = hierarchical_lookup_reference(*args, scale=0.2, vote=vote)
+  np.testing.assert_array_equal(nt, rnt)
+  np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-7)
+
+
+def test_validation_errors(rng):
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 4, 2, 3, 4, 20, 16, jnp.float32)
+  off, ch = children_csr(parent, 4)
+  with pytest.raises(ValueError, match="child_offsets"):
+    hierarchical_lookup_prefill(q, c1, n1, c2, n2, off[:, :4], ch, 0.0, 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="q must be"):
+    hierarchical_lookup_decode(q, c1, n1, c2, n2, off, ch, 0.0, 0.0, scale=1.0)
+  with pytest.raises(ValueError, match="t2"):
+    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, off, ch, 0.0, jnp.zeros(3), scale=1.0)
+  with pytest.raises(ValueError, match="int32"):
+    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, off, ch.astype(jnp.float32), 0.0, 0.0,
+                               scale=1.0)

@@ -1,0 +1,288 @@
+"""Sparse attention over retrieved keys + causal new part: interpret vs reference vs numpy."""
+import os
+import random
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pallas_kernels import _attention_core as core
+from pallas_kernels.sparse_attention import (AttentionConfig, clusters_to_indices,
+                                             gather_then_dense_attention, sparse_attention,
+                                             sparse_attention_reference)
+
+RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
+
+
+@pytest.fixture
+def rng(request):
+  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
+  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
+  return np.random.default_rng(seed)
+
+
+def brute_attention(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new, scale):
+  """Loops in float64: returns (o [Hq, T, d], lse [Hq, T]); duplicates counted."""
+  q, k, v, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k, v, k_new, v_new))
+  idx, counts = np.asarray(idx), np.asarray(counts)
+  q_pos, kv_pos_new = np.asarray(q_pos), np.asarray(kv_pos_new)
+  hq, seq_len, d = q.shape
+  hkv, num_l, _ = k.shape
+  hs, cap = idx.shape
+  g, r = hq // hkv, hq // hs
+  o = np.zeros((hq, seq_len, d))
+  lse = np.full((hq, seq_len), -np.inf)
+  for h in range(hq):
+    s, kv = h // r, h // g
+    fixed = [int(p) for p in idx[s, :max(0, min(int(counts[s]), cap))] if 0 <= p < num_l]
+    for t in range(seq_len):
+      keys = [k[kv, p] for p in fixed]
+      vals = [v[kv, p] for p in fixed]
+      for j in range(k_new.shape[1]):
+        if 0 <= kv_pos_new[j] <= q_pos[t]:
+          keys.append(k_new[kv, j])
+          vals.append(v_new[kv, j])
+      if not keys:
+        continue
+      logits = scale * np.array([q[h, t] @ kk for kk in keys])
+      mx = logits.max()
+      p = np.exp(logits - mx)
+      o[h, t] = (p[:, None] * np.array(vals)).sum(0) / p.sum()
+      lse[h, t] = mx + np.log(p.sum())
+  return o, lse
+
+
+def make_inputs(rng, hq, hkv, hs, seq_len, num_l, num_s, cap, d, dtype, *, poison=False):
+  q = jnp.asarray(rng.normal(size=(hq, seq_len, d)), dtype)
+  k = rng.normal(size=(hkv, num_l, d))
+  v = rng.normal(size=(hkv, num_l, d))
+  counts = rng.integers(0, cap + 1, size=(hs,))
+  counts[rng.integers(hs)] = 0                                   # a head retrieves nothing
+  idx = np.stack([rng.choice(num_l, size=cap, replace=cap > num_l) for _ in range(hs)])
+  past = np.arange(cap)[None, :] >= counts[:, None]
+  idx = np.where(past, rng.integers(-10**6, 10**6, size=idx.shape), idx)   # garbage past count
+  if poison:   # rows nobody retrieved are NaN: they must never be read
+    used = np.zeros((hkv, num_l), bool)
+    g_s = hs // hkv
+    for s in range(hs):
+      used[s // g_s, idx[s, :counts[s]]] = True
+    k = np.where(used[..., None], k, np.nan)
+    v = np.where(used[..., None], v, np.nan)
+  k_new = rng.normal(size=(hkv, num_s, d))
+  v_new = rng.normal(size=(hkv, num_s, d))
+  start = num_l
+  kv_pos = start + np.arange(num_s)
+  empty = rng.random(num_s) < 0.25
+  kv_pos[empty] = -1                                             # empty slots
+  if poison:
+    k_new[:, empty] = np.nan
+    v_new[:, empty] = np.nan
+  q_pos = start + max(num_s - seq_len, 0) + np.arange(seq_len)
+  return (q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(idx, jnp.int32),
+          jnp.asarray(counts, jnp.int32), jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype),
+          jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32))
+
+
+TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       jnp.float16: dict(rtol=4e-3, atol=4e-3)}
+
+
+def assert_close(a, b, dtype, msg=""):
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  assert np.isfinite(a).all(), msg
+  np.testing.assert_allclose(a, b, err_msg=msg, **TOL[dtype])
+
+
+def assert_lse(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert not np.isnan(a).any()
+  np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+  fin = np.isfinite(b)
+  np.testing.assert_allclose(a[fin], b[fin], rtol=1e-5, atol=1e-4)
+
+
+CASES = [  # hq, hkv, hs, T, L, S, cap, d, dtype, poison
+    (8, 2, 2, 1, 100, 20, 40, 64, jnp.float32, True),    # decode, GQA 4:1, vote kv
+    (8, 2, 8, 1, 100, 20, 40, 64, jnp.bfloat16, False),  # decode, per-query-head selection
+    (8, 2, 2, 19, 77, 23, 30, 64, jnp.bfloat16, True),   # prefill, ragged everything
+    (4, 4, 4, 6, 33, 9, 17, 128, jnp.float16, False),    # prefill, MHA 1:1, d=128, fp16
+    (6, 2, 6, 5, 50, 0, 25, 24, jnp.float32, True),      # g=3, no new part, d=24
+]
+
+
+@pytest.mark.parametrize("hq,hkv,hs,seq_len,num_l,num_s,cap,d,dtype,poison", CASES)
+def test_interpret_matches_reference(rng, hq, hkv, hs, seq_len, num_l, num_s, cap, d, dtype,
+                                     poison):
+  """poison: NaN in every K/V row nobody retrieved and in empty new slots, garbage idx
+  past the counts -- none of it may be read."""
+  args = make_inputs(rng, hq, hkv, hs, seq_len, num_l, num_s, cap, d, dtype, poison=poison)
+  scale = d ** -0.5
+  ref, ref_lse = sparse_attention_reference(*args, scale=scale, return_lse=True)
+  cfg = AttentionConfig(block_rows=32, block_k=16, chunk_k=16, chunk_new=32)
+  out, lse = sparse_attention(*args, scale=scale, return_lse=True, backend="interpret",
+                              config=cfg)
+  assert out.shape == (hq, seq_len, d) and out.dtype == dtype and lse.dtype == jnp.float32
+  assert_close(out, ref, dtype)
+  assert_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("hs,seq_len", [(2, 1), (8, 3)])
+def test_reference_matches_bruteforce(rng, hs, seq_len):
+  args = make_inputs(rng, 8, 2, hs, seq_len, 40, 11, 15, 16, jnp.float32)
+  out, lse = sparse_attention_reference(*args, scale=0.3, return_lse=True)
+  bo, blse = brute_attention(*args, scale=0.3)
+  np.testing.assert_allclose(out, bo, rtol=1e-5, atol=1e-5)
+  assert_lse(lse, blse)
+
+
+def test_duplicates_are_attended_twice(rng):
+  q, k, v, idx, counts, kn, vn, qp, kvp = make_inputs(rng, 4, 2, 2, 1, 30, 4, 12, 16, jnp.float32)
+  idx = jnp.asarray([[3, 3, 3, 7, 7, 9] + [0] * 6, [5, 1, 5, 2, 2, 2] + [0] * 6], jnp.int32)
+  counts = jnp.asarray([6, 6], jnp.int32)
+  args = (q, k, v, idx, counts, kn, vn, qp, kvp)
+  out = sparse_attention(*args, scale=0.25, backend="interpret")
+  ref = sparse_attention_reference(*args, scale=0.25)
+  bo, _ = brute_attention(*args, scale=0.25)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(ref, bo, rtol=1e-5, atol=1e-5)
+  # ... and differs from the deduplicated list (the duplicate weights count).
+  dedup = jnp.asarray([[3, 7, 9] + [0] * 9, [5, 1, 2] + [0] * 9], jnp.int32)
+  out_d = sparse_attention_reference(q, k, v, dedup, jnp.asarray([3, 3], jnp.int32), kn, vn, qp,
+                                     kvp, scale=0.25)
+  assert np.abs(np.asarray(out_d) - np.asarray(out)).max() > 1e-3
+
+
+def test_nothing_visible_gives_zero_not_nan(rng):
+  q, k, v, idx, counts, kn, vn, qp, kvp = make_inputs(rng, 4, 2, 2, 3, 20, 6, 8, 16,
+                                                      jnp.float32)
+  counts = jnp.asarray([0, 5], jnp.int32)                        # head 0: all pruned
+  idx = idx.at[1, :5].set(jnp.arange(5))
+  kvp = jnp.full_like(kvp, -1).at[2].set(int(qp[1]))             # one new key, visible from t=1
+  args = (q, k, v, idx, counts, kn, vn, qp, kvp)
+  for backend in ("interpret", "reference"):
+    out, lse = sparse_attention(*args, scale=0.3, return_lse=True, backend=backend)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(out[:2, 0], 0.0)               # group 0, token 0: nothing
+    assert np.isneginf(lse[:2, 0]).all() and np.isfinite(lse[:2, 1:]).all()
+    np.testing.assert_allclose(out[:2, 1:], np.broadcast_to(np.asarray(vn)[0, 2], (2, 2, 16)),
+                               rtol=1e-6)                        # only the one new key
+    assert np.isfinite(lse[2:]).all()
+  bo, _ = brute_attention(*args, scale=0.3)
+  np.testing.assert_allclose(out, bo, rtol=1e-5, atol=1e-6)
+
+
+def test_count_overflow_is_clipped_to_capacity(rng):
+  args = list(make_inputs(rng, 4, 2, 2, 1, 50, 3, 10, 16, jnp.float32))
+  args[3] = jnp.asarray(rng.integers(0, 50, size=(2, 10)), jnp.int32)
+  args[4] = jnp.asarray([25, 10], jnp.int32)                     # head 0 claims more than cap
+  out = sparse_attention(*args, scale=0.3, backend="interpret")
+  clipped = list(args)
+  clipped[4] = jnp.asarray([10, 10], jnp.int32)
+  np.testing.assert_allclose(out, sparse_attention_reference(*clipped, scale=0.3), rtol=2e-5,
+                             atol=2e-5)
+
+
+def test_unwritten_partials_are_poisoned_but_ignored(rng):
+  """The interpreter fills unwritten outputs with NaN; the merge must never read them."""
+  q, k, v, idx, counts, kn, vn, qp, kvp = make_inputs(rng, 4, 2, 2, 1, 64, 0, 64, 16,
+                                                      jnp.float32)
+  counts = jnp.asarray([5, 64], jnp.int32)
+  cfg = AttentionConfig(block_rows=16, block_k=16, chunk_k=16)
+  lay = core.row_layout(4, 1, 2, cfg)
+  sel = jnp.arange(2, dtype=jnp.int32)[:, None]
+  c = jnp.arange(4, dtype=jnp.int32)[None, :]
+  lo = c * 16
+  items = core.make_items(sel, core.KIND_LIST, lo, jnp.minimum(counts[:, None], lo + 16), sel,
+                          sel * 4 + c)
+  table, active = core.build_table([items], [lo < counts[:, None]], 2)
+  assert np.asarray(table)[:5, 1].tolist() == [1] * 5 and (np.asarray(table)[5:, 1] == 0).all()
+  o, m, l = core.attention_partials(q, k, v, None, None, qp, kvp, idx, table, lay=lay,
+                                    n_slots=8, scale=0.3, cfg=cfg, backend="interpret")
+  assert np.isnan(np.asarray(m)[0, 1:4]).all()                   # head 0, chunks 1-3: never run
+  out, _ = core.merge_partials(o, m, l, active, lay=lay, d=16)
+  ref = sparse_attention_reference(q, k, v, idx, counts, kn, vn, qp, kvp, scale=0.3)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,seq_len,hs", [(jnp.float32, 7, 2), (jnp.bfloat16, 5, 8)])
+def test_gather_then_dense_matches_reference(rng, dtype, seq_len, hs):
+  args = make_inputs(rng, 8, 2, hs, seq_len, 70, 12, 30, 32, dtype, poison=True)
+  ref, ref_lse = sparse_attention_reference(*args, scale=0.2, return_lse=True)
+  out, lse = gather_then_dense_attention(*args, scale=0.2, return_lse=True, backend="interpret")
+  # bf16: XLA's dense attention rounds its LSE to bf16 before the merge.
+  tol = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=6e-2, atol=6e-2)
+  out = np.asarray(out, np.float32)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, np.asarray(ref, np.float32), **tol)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+
+
+@pytest.mark.parametrize("hs", [2, 6])
+def test_clusters_to_indices(rng, hs):
+  hkv, num_l, num_c = 2, 60, 7
+  labels = rng.integers(0, num_c, size=(hkv, num_l))
+  keys = np.stack([np.argsort(lab, kind="stable") for lab in labels]).astype(np.int32)
+  offs = np.stack([np.concatenate([[0], np.cumsum(np.bincount(lab, minlength=num_c))])
+                   for lab in labels]).astype(np.int32)
+  sel = rng.random((hs, num_c)) < 0.4
+  sel[0] = False                                                 # nothing retrieved
+  for cap in (num_l, 9):                                         # 9: overflow for most heads
+    idx, cnt, wanted = map(np.asarray, clusters_to_indices(
+        jnp.asarray(sel), jnp.asarray(offs), jnp.asarray(keys), cap=cap))
+    for s in range(hs):
+      kv = s // (hs // hkv)
+      want = [p for c in range(num_c) if sel[s, c] for p in keys[kv, offs[kv, c]:offs[kv, c + 1]]]
+      assert wanted[s] == len(want) and cnt[s] == min(len(want), cap)
+      assert idx[s, :cnt[s]].tolist() == want[:cap] and (idx[s, cnt[s]:] == -1).all()
+      assert sorted(want) == sorted(np.flatnonzero(np.isin(labels[kv], np.flatnonzero(sel[s])))
+                                    .tolist())
+
+
+def test_auto_is_reference_on_cpu(rng):
+  args = make_inputs(rng, 4, 2, 2, 2, 20, 5, 8, 16, jnp.float32)
+  np.testing.assert_array_equal(sparse_attention(*args, scale=0.3),
+                                sparse_attention_reference(*args, scale=0.3))
+  with pytest.raises(ValueError, match="GPU"):
+    sparse_attention(*args, scale=0.3, backend="pallas")
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 4]), per_q=st.booleans(),
+       seq_len=st.sampled_from([1, 2, 9]), num_l=st.integers(1, 60), num_s=st.integers(0, 12),
+       cap=st.integers(1, 40), d=st.sampled_from([16, 40]), seed=st.integers(0, 2**31 - 1))
+def test_property_random_shapes(hkv, g, per_q, seq_len, num_l, num_s, cap, d, seed):
+  rng = np.random.default_rng(seed)
+  hq = hkv * g
+  hs = hq if per_q else hkv
+  args = make_inputs(rng, hq, hkv, hs, seq_len, num_l, num_s, cap, d, jnp.float32)
+  ref, ref_lse = sparse_attention_reference(*args, scale=0.25, return_lse=True)
+  out, lse = sparse_attention(*args, scale=0.25, return_lse=True, backend="interpret",
+                              config=AttentionConfig(block_rows=16, block_k=16))
+  assert_close(out, ref, jnp.float32)
+  assert_lse(lse, ref_lse)
+
+
+def test_validation_errors(rng):
+  q, k, v, idx, counts, kn, vn, qp, kvp = make_inputs(rng, 4, 2, 2, 2, 20, 5, 8, 16,
+                                                      jnp.float32)
+  with pytest.raises(ValueError, match="idx"):
+    sparse_attention(q, k, v, idx[:1], counts, kn, vn, qp, kvp, scale=1.0)
+  with pytest.raises(ValueError, match="Hs in"):
+    sparse_attention(q, k, v, jnp.zeros((3, 8), jnp.int32), jnp.zeros(3, jnp.int32), kn, vn, qp,
+                     kvp, scale=1.0)
+  with pytest.raises(ValueError, match="int32"):
+    sparse_attention(q, k, v, idx.astype(jnp.int16), counts, kn, vn, qp, kvp, scale=1.0)
+  with pytest.raises(ValueError, match="dtypes must match"):
+    sparse_attention(q, k.astype(jnp.bfloat16), v, idx, counts, kn, vn, qp, kvp, scale=1.0)
+  with pytest.raises(ValueError, match="q_pos"):
+    sparse_attention(q, k, v, idx, counts, kn, vn, qp[:1], kvp, scale=1.0)
+  with pytest.raises(ValueError, match="k_new"):
+    sparse_attention(q, k, v, idx, counts, kn[:1], vn[:1], qp, kvp, scale=1.0)
+  with pytest.raises(ValueError, match="chunk_k"):
+    AttentionConfig(block_k=32, chunk_k=48)
+  with pytest.raises(ValueError, match="block_rows"):
+    AttentionConfig(block_rows=8)

@@ -1,0 +1,86 @@
+"""Every kernel lowers to Triton IR for an H100 (no GPU needed).
+
+This runs the Pallas -> Triton MLIR lowering that ``backend="pallas"`` uses on a
+GPU (power-of-two tile shapes, supported primitives, gathers, masked loads,
+scalar work-table reads, dynamic loops), at the benchmark's Llama-3-8B head
+shapes.  It does not run Triton's own compiler passes or the kernels: the GPU
+script checks those.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info, pallas_call_registration as registration
+
+from pallas_kernels import _dispatch
+from pallas_kernels.centroid_lookup import centroid_lookup_decode, centroid_lookup_prefill
+from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode,
+                                                hierarchical_lookup_prefill)
+from pallas_kernels.quest import quest_decode_attention, quest_page_scores
+from pallas_kernels.saap_attention import saap_attention
+from pallas_kernels.sparse_attention import sparse_attention
+
+HQ, HKV, D, L, S = 32, 8, 128, 4096, 64
+BF = jnp.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def fake_h100(monkeypatch):
+  monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100))
+
+
+def lower(fn, *args):
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+  return text
+
+
+def sds(shape, dtype=BF):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_centroid_lookup_lowers(vote):
+  c, n = sds((HKV, 205, D)), sds((HKV, 205), jnp.int32)
+  lower(lambda q, c, n: centroid_lookup_prefill(q, c, n, jnp.float32(0.1), scale=D ** -0.5,
+                                                vote=vote, backend="pallas"),
+        sds((HQ, 100, D)), c, n)
+  lower(lambda q, c, n: centroid_lookup_decode(q, c, n, jnp.float32(0.1), scale=D ** -0.5,
+                                               vote=vote, backend="pallas"),
+        sds((HQ, D)), c, n)
+
+
+@pytest.mark.parametrize("seq_len,hs", [(1, HKV), (1, HQ), (100, HKV), (100, HQ)])
+def test_sparse_attention_lowers(seq_len, hs):
+  lower(lambda *a: sparse_attention(*a, scale=D ** -0.5, backend="pallas"),
+        sds((HQ, seq_len, D)), sds((HKV, L, D)), sds((HKV, L, D)), sds((hs, 500), jnp.int32),
+        sds((hs,), jnp.int32), sds((HKV, S, D)), sds((HKV, S, D)), sds((seq_len,), jnp.int32),
+        sds((S,), jnp.int32))
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_hierarchical_lookup_lowers(vote):
+  args = (sds((HKV, 41, D)), sds((HKV, 41), jnp.int32), sds((HKV, 205, D)),
+          sds((HKV, 205), jnp.int32), sds((HKV, 42), jnp.int32), sds((HKV, 205), jnp.int32))
+  for q, fn in ((sds((HQ, 100, D)), hierarchical_lookup_prefill),
+                (sds((HQ, D)), hierarchical_lookup_decode)):
+    lower(lambda q, *a: fn(q, *a, jnp.float32(0.01), jnp.float32(0.01), scale=D ** -0.5,
+                           vote=vote, backend="pallas"), q, *args)
+
+
+def test_quest_lowers():
+  for vote in ("kv", "q"):
+    lower(lambda q, a, b: quest_page_scores(q, a, b, vote=vote, backend="pallas"),
+          sds((HQ, D)), sds((HKV, L // 16, D)), sds((HKV, L // 16, D)))
+  lower(lambda *a: quest_decode_attention(*a, scale=D ** -0.5, backend="pallas"),
+        sds((HQ, D)), sds((HKV, L, D)), sds((HKV, L, D)), sds((HKV, 32), jnp.int32),
+        sds((HKV, S, D)), sds((HKV, S, D)), sds((1,), jnp.int32), sds((S,), jnp.int32))
+
+
+def test_saap_lowers():
+  lower(lambda *a: saap_attention(*a, scale=D ** -0.5, n_sink=1, n_recent=255,
+                                  backend="pallas"),
+        sds((HQ, D)), sds((HKV, L, D)), sds((HKV, L, D)), sds((HKV, 65), jnp.int32),
+        sds((HKV, L), jnp.int32), sds((HKV, 8), jnp.int32), sds((HKV, S, D)), sds((HKV, S, D)),
+        sds((1,), jnp.int32), sds((S,), jnp.int32))

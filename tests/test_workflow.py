@@ -1,0 +1,195 @@
+"""FixedContext: prefill once, index, ask/score, save/load, and every bad input (tiny model)."""
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tiny_model import tiny_model
+
+import sqjax
+from sqjax import fixed_context as fc
+from sqjax.fixed_context import FixedContext, SqjaxError
+from sqjax.methods import Full, HierarchicalSqueezed, Oracle, Quest, Saap, SnapKV, Squeezed, StreamingLLM
+
+DOC = " ".join(f"Item {i} of the inventory is a {w} stored in aisle {i % 7}." for i, w in
+               zip(range(60), ["lamp", "chair", "table", "rug", "book", "vase"] * 10))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def full_ctx(model):
+    return FixedContext.build(model, DOC, Full(), chat=False)
+
+
+def test_full_workflow_equals_plain_forward(model, full_ctx, rng):
+    cont = rng.integers(100, 40000, size=21).astype(np.int32)
+    lp = full_ctx.score_ids(cont)
+    ids = np.concatenate([full_ctx.doc_ids, cont])
+    logits = np.asarray(model(ids[None]))[0]
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(len(full_ctx.doc_ids) - 1, len(ids) - 1), cont]
+    np.testing.assert_allclose(lp, ref, atol=2e-4)
+    np.testing.assert_allclose(full_ctx.score_ids(cont, mode="decode"), ref, atol=2e-4)
+
+
+EVERYTHING = [Oracle(budget=1.0), Quest(budget=1.0, dense_layers=0), SnapKV(budget=1.0), StreamingLLM(budget=1.0),
+              Saap(probes=100_000, dense_layers=0)]
+
+
+@pytest.mark.parametrize("method", EVERYTHING, ids=lambda m: m.name)
+def test_everything_retrieved_reproduces_full(full_ctx, method, rng):
+    cont = rng.integers(100, 40000, size=9).astype(np.int32)
+    ref = full_ctx.score_ids(cont)
+    got = full_ctx.with_method(method).score_ids(cont)
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("hier", [False, True])
+def test_squeezed_with_zero_threshold_reproduces_full(full_ctx, hier, rng):
+    m = HierarchicalSqueezed(sparsity=0.5, capacity_fraction=1.0) if hier else Squeezed(sparsity=0.5, capacity_fraction=1.0)
+    ctx = full_ctx.with_method(m)
+    ctx.index = dataclasses.replace(ctx.index, threshold=jnp.float32(-1.0), threshold1=jnp.float32(0.0))
+    ctx._state = {**ctx._state, "index": ctx.index}
+    cont = rng.integers(100, 40000, size=9).astype(np.int32)
+    np.testing.assert_allclose(ctx.score_ids(cont), full_ctx.score_ids(cont), atol=1e-4)
+    np.testing.assert_allclose(ctx.score_ids(cont, mode="decode"), full_ctx.score_ids(cont), atol=1e-4)
+
+
+def test_questions_reuse_one_prefill(model, monkeypatch):
+    calls = []
+    real = fc._prefill_document
+    monkeypatch.setattr(fc, "_prefill_document", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
+    for q in ("Which aisle holds the lamps?", "What is item 3?", "Count the chairs."):
+        ans = ctx.ask(q, max_new_tokens=4)
+        assert 1 <= len(ans.token_ids) <= 4
+        assert 0 < ans.stats.kv_budget <= 1 and ans.stats.time_to_first_token_s > 0
+    other = ctx.with_method(Quest(budget=0.2))
+    other.ask("Which aisle holds the lamps?", max_new_tokens=2)
+    assert len(calls) == 1 and ctx.n_prefills == 1 and other.n_prefills == 0
+
+
+def test_decode_step_compiles_once(model):
+    from models.forward import forward_jit
+
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
+    ctx.ask("Which aisle holds the lamps?", max_new_tokens=3, stop_ids=())
+    before = forward_jit._cache_size()
+    ans = ctx.ask("Which aisle holds a rug?", max_new_tokens=12, stop_ids=())
+    assert len(ans.token_ids) == 12
+    assert forward_jit._cache_size() == before  # same bucket: no new compilation for prefill or decode
+
+
+@pytest.mark.parametrize("method", [Squeezed(sparsity=0.8, n_sink=1), HierarchicalSqueezed(sparsity=0.8),
+                                    Quest(budget=0.25), Saap(probes=4), SnapKV(budget=0.3)], ids=lambda m: m.label)
+def test_save_load_roundtrip_token_for_token(model, full_ctx, method, tmp_path):
+    ctx = full_ctx.with_method(method) if method.name != "squeezed" else FixedContext.build(model, DOC, method, chat=True)
+    q = "Where is item 12 stored?"
+    a = ctx.ask(q, max_new_tokens=6, stop_ids=())
+    path = tmp_path / "doc.sqx"
+    ctx.save(path)
+    loaded = FixedContext.load(path, model)
+    b = loaded.ask(q, max_new_tokens=6, stop_ids=())
+    assert a.token_ids == b.token_ids
+    assert loaded.method == ctx.method and loaded.n_tokens == ctx.n_tokens
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def test_empty_document_and_question(model, full_ctx):
+    for doc in ("", "   \n  "):
+        with pytest.raises(SqjaxError, match="document is empty"):
+            FixedContext.build(model, doc, Full())
+    for q in ("", "  "):
+        with pytest.raises(SqjaxError, match="question is empty"):
+            full_ctx.ask(q)
+    with pytest.raises(SqjaxError, match="max_new_tokens"):
+        full_ctx.ask("hi", max_new_tokens=0)
+
+
+def test_document_longer_than_context():
+    small = tiny_model(max_positions=512)
+    with pytest.raises(SqjaxError, match=r"the document is \d+ tokens but tiny-llama holds 512 .* (\d+) tokens too many.*truncate"):
+        FixedContext.build(small, DOC, Full())
+    ctx = FixedContext.build(small, DOC, Full(), truncate=True)
+    assert ctx.n_tokens == 512 - 256
+    with pytest.raises(SqjaxError, match="exceed the model's context of 512"):
+        ctx.ask("Which aisle?", max_new_tokens=400)
+
+
+def _write_index(full_ctx, tmp_path) -> Path:
+    path = tmp_path / "a.sqx"
+    full_ctx.with_method(Squeezed(sparsity=0.8)).save(path)
+    return path
+
+
+def test_corrupted_index_files(model, full_ctx, tmp_path):
+    path = _write_index(full_ctx, tmp_path)
+    data = path.read_bytes()
+    # truncated
+    trunc = tmp_path / "trunc.sqx"
+    trunc.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SqjaxError, match="corrupted or truncated.*rebuild"):
+        FixedContext.load(trunc, model)
+    # one bit flipped in the tensor data
+    flipped = bytearray(data)
+    flipped[len(data) - 1000] ^= 0x10
+    bad = tmp_path / "flip.sqx"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(SqjaxError, match="checksum"):
+        FixedContext.load(bad, model)
+    # not an index at all
+    junk = tmp_path / "junk.sqx"
+    junk.write_bytes(b"hello world" * 10)
+    with pytest.raises(SqjaxError, match="not a readable sqjax index"):
+        FixedContext.load(junk, model)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        FixedContext.load(tmp_path / "missing.sqx", model)
+
+
+def test_other_version_and_other_model(model, full_ctx, tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = _write_index(full_ctx, tmp_path)
+    with safe_open(str(path), framework="numpy") as f:
+        meta = dict(f.metadata())
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    meta["version"] = "999"
+    old = tmp_path / "v999.sqx"
+    save_file(arrays, str(old), metadata=meta)
+    with pytest.raises(SqjaxError, match="format version 999.*rebuild"):
+        FixedContext.load(old, model)
+    with pytest.raises(SqjaxError, match="built with another model"):
+        FixedContext.load(path, tiny_model(seed=1))
+
+
+def test_save_is_atomic(full_ctx, tmp_path, monkeypatch):
+    import safetensors.numpy as stn
+
+    ctx = full_ctx.with_method(Squeezed(sparsity=0.8))
+    path = tmp_path / "keep.sqx"
+    ctx.save(path)
+    before = path.read_bytes()
+
+    def broken(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise KeyboardInterrupt("interrupted while writing")
+
+    monkeypatch.setattr(stn, "save_file", broken)
+    with pytest.raises(KeyboardInterrupt):
+        ctx.save(path)
+    assert path.read_bytes() == before, "the previous index is untouched"
+    with pytest.raises(KeyboardInterrupt):
+        ctx.save(tmp_path / "new.sqx")
+    assert not (tmp_path / "new.sqx").exists()
+    assert sorted(os.listdir(tmp_path)) == ["keep.sqx"], "no temp file left behind"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ctx.save(tmp_path / "no" / "dir" / "x.sqx")
