@@ -193,8 +193,10 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     return acc + jnp.sum(p * inv[:, None], axis=0)
 
   active = cb * block_c < n
-  n_it = jnp.where(active, r * n_tb, 0)
-  acc = lax.fori_loop(0, n_it, body, jnp.zeros((block_c,), jnp.float32))
+  # explicit int32 bounds: a Python-int branch of jnp.where lowers to a different integer
+  # type than the loop's lower bound and Triton rejects the scf.for (seen on H200)
+  n_it = jnp.where(active, jnp.int32(r * n_tb), jnp.int32(0)).astype(jnp.int32)
+  acc = lax.fori_loop(jnp.int32(0), n_it, body, jnp.zeros((block_c,), jnp.float32))
   o_ref[grp, pl.ds(cb * block_c, block_c)] = acc * (1.0 / (r * seq_len))
 
 

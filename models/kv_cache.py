@@ -1,0 +1,76 @@
+"""Fixed-capacity KV cache as a plain JAX pytree.
+
+    k, v    [num_layers, B, Hkv, S, d]  roped keys / values, S = capacity (slots)
+    pos     int32 [B, S]                absolute position held in each slot; -1 = empty/padding
+    length  int32 [B]                   slots used per row (next write starts at `length`)
+
+New tokens of a forward step are written at slots ``length .. length + T`` of each row. Left
+padding (pad tokens at position -1) writes slots that stay invisible (``pos = -1``), so with the
+library's padding convention every row has the same ``length``. The capacity is static: the
+caller checks ``length + T <= capacity`` (`models.generate` does, on the host); writes past the
+end are dropped by the scatter, never wrapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .config import LlamaConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, B, Hkv, S, d]
+    v: jax.Array  # [L, B, Hkv, S, d]
+    pos: jax.Array  # int32 [B, S], -1 = empty
+    length: jax.Array  # int32 [B]
+
+    @classmethod
+    def init(cls, config: LlamaConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+        """An empty cache (all slots at position -1)."""
+        if batch <= 0 or capacity <= 0:
+            raise ValueError(f"batch and capacity must be positive, got {batch}, {capacity}")
+        shape = (config.num_layers, batch, config.num_kv_heads, capacity, config.head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            pos=jnp.full((batch, capacity), -1, jnp.int32),
+            length=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def replace(self, **kw) -> "KVCache":
+        return dataclasses.replace(self, **kw)
+
+    def write(self, layer: int, k_new, v_new) -> "KVCache":
+        """Store k_new, v_new [B, T, Hkv, d] of ``layer`` at slots ``length .. length+T`` (pos untouched)."""
+        B, T = k_new.shape[:2]
+        slots = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None]  # [B, 1]
+        # advanced indices (layer, rows, slots) around a slice -> update shape [B, T, Hkv, d]
+        k = self.k.at[layer, rows, :, slots].set(k_new.astype(self.k.dtype), mode="drop")
+        v = self.v.at[layer, rows, :, slots].set(v_new.astype(self.v.dtype), mode="drop")
+        return self.replace(k=k, v=v)
+
+    def advance(self, positions) -> "KVCache":
+        """Record ``positions`` int32 [B, T] at slots ``length .. length+T`` and bump ``length``."""
+        B, T = positions.shape
+        slots = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+        pos = self.pos.at[rows, slots].set(positions.astype(jnp.int32), mode="drop")
+        return self.replace(pos=pos, length=self.length + T)

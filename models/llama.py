@@ -1,0 +1,161 @@
+"""Flax NNX Llama-family decoder (Llama-2/3/3.1, SmolLM2, Qwen2-style QKV bias).
+
+Module tree and parameter names mirror Hugging Face's ``LlamaForCausalLM`` so that loaders map
+names one to one (Linear kernels are stored ``[in, out]``, i.e. HF weights transposed):
+
+    Llama
+      embed_tokens          nnx.Embed           embedding [V, D]
+      layers[i]             DecoderLayer
+        input_layernorm     RMSNorm             weight [D]
+        self_attn           Attention           q_proj [D, Hq*d] (+bias), k_proj/v_proj [D, Hkv*d] (+bias), o_proj [Hq*d, D]
+        post_attention_layernorm RMSNorm        weight [D]
+        mlp                 MLP (SwiGLU)        gate_proj/up_proj [D, F], down_proj [F, D]
+      norm                  RMSNorm             weight [D]
+      lm_head               nnx.Linear | None   kernel [D, V] (None when tied to embed_tokens)
+
+``Llama.__call__(input_ids [B, T]) -> float32 logits [B, T, V]`` runs full causal attention.
+Cached/sparse inference goes through `models.forward` on ``nnx.split`` state; it reuses
+`DecoderLayer.__call__` with an ``attend`` callback, so both paths share every op.
+Computation dtype is ``dtype`` (float32 default, bfloat16 option); norms and softmax run in
+float32, logits are returned in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import dense_attention
+from .config import LlamaConfig
+from .rope import apply_rope, config_frequencies
+
+# attend(q [B,T,Hq,d] roped, k [B,T,Hkv,d] roped, v [B,T,Hkv,d]) -> [B,T,Hq,d]
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# capture(q_pre [B,T,Hq,d], q [B,T,Hq,d], k_pre [B,T,Hkv,d]) -> None
+CaptureFn = Callable[[jax.Array, jax.Array, jax.Array], None]
+
+
+class RMSNorm(nnx.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), statistics in float32 (HF LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):  # [..., D] -> [..., D]
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return (self.weight[...].astype(self.dtype) * y.astype(self.dtype)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Q/K/V/O projections with grouped-query heads; attention itself is supplied by the caller."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        c = config
+        lin = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(c.hidden_size, c.num_heads * c.head_dim, use_bias=c.attention_bias, **lin)
+        self.k_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, use_bias=c.attention_bias, **lin)
+        self.v_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, use_bias=c.attention_bias, **lin)
+        self.o_proj = nnx.Linear(c.num_heads * c.head_dim, c.hidden_size, use_bias=False, **lin)
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+
+    def project(self, x):
+        """x [B, T, D] -> q_pre [B, T, Hq, d], k_pre [B, T, Hkv, d], v [B, T, Hkv, d] (pre-RoPE)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def output(self, o):  # [B, T, Hq, d] -> [B, T, D]
+        B, T = o.shape[:2]
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(config.hidden_size, config.intermediate_size, **lin)
+        self.up_proj = nnx.Linear(config.hidden_size, config.intermediate_size, **lin)
+        self.down_proj = nnx.Linear(config.intermediate_size, config.hidden_size, **lin)
+
+    def __call__(self, x):  # [B, T, D] -> [B, T, D]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
+        )
+        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, attend: AttendFn, capture: CaptureFn | None = None):
+        """x [B, T, D], positions int32 [B, T], inv_freq [d/2] -> [B, T, D]."""
+        q_pre, k_pre, v = self.self_attn.project(self.input_layernorm(x))
+        q = apply_rope(q_pre, positions, inv_freq)  # [B, T, Hq, d]
+        k = apply_rope(k_pre, positions, inv_freq)  # [B, T, Hkv, d]
+        if capture is not None:
+            capture(q_pre, q, k_pre)
+        x = x + self.self_attn.output(attend(q, k, v))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nnx.Module):
+    """Llama-family causal LM. ``dtype``: computation dtype; ``param_dtype``: storage dtype."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Linear(
+                config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+
+    def embed(self, tokens):  # int32 [B, T] -> [B, T, D]
+        return self.embed_tokens(tokens).astype(self.dtype)
+
+    def logits(self, h):  # [..., D] -> float32 [..., V]
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...].astype(self.dtype)  # [V, D]
+            out = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        else:
+            out = self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def __call__(self, input_ids):
+        """int32 [B, T] -> float32 logits [B, T, V]; full causal attention, positions 0..T-1."""
+        B, T = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        inv_freq = config_frequencies(self.config)
+
+        def attend(q, k, v):  # fresh keys only, no cache
+            kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, d]
+            return dense_attention(q, kt, vt, positions, positions)
+
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, inv_freq, attend)
+        return self.logits(self.norm(x))

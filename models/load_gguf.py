@@ -1,0 +1,133 @@
+"""Load a Llama-family model from a GGUF file with the `gguf` package (no torch, no llama.cpp).
+
+Every tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0/Q4_1/Q8_0,
+K-quants: whatever gguf-py supports) to float32. llama.cpp's ``convert_hf_to_gguf`` permutes
+the rows of ``attn_q``/``attn_k`` of ``llama`` models (its rotary kernel rotates adjacent
+pairs, HF rotates halves); `unpermute_qk` undoes it so the HF ``rotate_half`` RoPE applies.
+The tokenizer and chat template come from the GGUF metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .config import LlamaConfig
+from .tokenizer import Tokenizer
+from .weights import build_from_hf_tensors
+
+# GGUF name -> HF name (per layer names use {i})
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# architectures whose Q/K rows convert_hf_to_gguf permuted
+_PERMUTED_ARCHS = ("llama",)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's ``permute``: rows [H, d/2, 2] (pairs interleaved) -> [H, 2, d/2] (halves).
+
+    w: [n_heads * d, ...] (a weight [out, in] or a bias [out]).
+    """
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (what convert_hf_to_gguf applies); inverse of `unpermute_qk`."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_metadata(reader) -> dict[str, Any]:
+    """GGUF key/values as Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """float32 numpy array in numpy order (GGUF dims reversed), e.g. [out, in] for weights."""
+    import gguf
+
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    return np.asarray(arr, dtype=np.float32).reshape(shape)
+
+
+def load_gguf(path: str | Path, dtype=jnp.float32):
+    """Read ``path`` -> ``(graphdef, state, config, tokenizer)``."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = gguf.GGUFReader(str(path))
+    meta = read_gguf_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = str(meta.get("general.architecture", ""))
+    rope_factors = None
+    if "rope_freqs.weight" in tensors:
+        rope_factors = tuple(float(x) for x in dequantize_tensor(tensors["rope_freqs.weight"]).ravel())
+    config = LlamaConfig.from_gguf_metadata(
+        meta, tensor_names=set(tensors), rope_freq_factors=rope_factors, name=path.stem
+    )
+    tokenizer = Tokenizer.from_gguf_metadata(meta, name=path.stem)
+
+    hf_to_gguf = {}
+    for name in tensors:
+        hf = gguf_to_hf_name(name)
+        if hf is not None:
+            hf_to_gguf[hf] = name
+    # name what is missing in GGUF terms
+    expected_gguf = {v: k for k, v in _GLOBAL_NAMES.items()}
+    for i in range(config.num_layers):
+        for g, h in _LAYER_NAMES.items():
+            expected_gguf[f"model.layers.{i}.{h}"] = f"blk.{i}.{g}"
+
+    permuted = arch in _PERMUTED_ARCHS
+
+    def get_tensor(hf_name: str) -> np.ndarray:
+        w = dequantize_tensor(tensors[hf_to_gguf[hf_name]])
+        if permuted and (".q_proj." in hf_name):
+            w = unpermute_qk(w, config.num_heads)
+        elif permuted and (".k_proj." in hf_name):
+            w = unpermute_qk(w, config.num_kv_heads)
+        return w
+
+    graphdef, state = build_from_hf_tensors(
+        config, get_tensor, set(hf_to_gguf), dtype=dtype, source_names=expected_gguf
+    )
+    return graphdef, state, config, tokenizer
