@@ -1,0 +1,75 @@
+"""Run metadata every benchmark JSON carries: device, jax version, git commit, time."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+
+def git_commit() -> str:
+    """SQJAX_GIT_COMMIT (set by whoever ships the tree to a machine without .git), else git, else 'uncommitted'."""
+    env = os.environ.get("SQJAX_GIT_COMMIT")
+    if env:
+        return env
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return "uncommitted"
+    if len(sha) != 40:
+        return "uncommitted"
+    return sha + ("-dirty" if dirty else "")
+
+
+def device_name() -> str:
+    dev = jax.devices()[0]
+    return f"{dev.platform}:{getattr(dev, 'device_kind', str(dev))}"
+
+
+def metadata() -> dict:
+    return {
+        "device": device_name(),
+        "n_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def time_ms(fn: Callable, sets: list[tuple], *, reps: int = 20, inner: int = 5) -> float:
+    """Median over `reps` of the mean time (ms) of `inner` back-to-back calls cycling over input sets.
+
+    Every set is run once first (compilation, warm-up); sets rotate so caches do not flatter.
+    """
+    for s in sets:
+        jax.block_until_ready(fn(*s))
+    samples, k = [], 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = fn(*sets[k % len(sets)])
+            k += 1
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples) * 1e3
+
+
+def write_json(path: Path, payload: dict) -> None:
+    from sqjax.index_io import write_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1, default=float)))
