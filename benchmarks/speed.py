@@ -61,12 +61,13 @@ class Plan:
     reps: int = 10
     deadline_s: float = 520.0
     cpu: bool = False
+    backend: str = "auto"  # sqjax.dispatch backend ("interpret" in the CPU smoke run: kernel plumbing)
 
 
 def cpu_plan() -> Plan:
     return Plan(lengths=(1024,), sparsities=(0.8, 0.9), prefill=(32,), hq=4, hkv=2, d=16, offline_layers=2,
                 offline_length=1024, e2e_length=1024, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256,
-                e2e_steps=3, reps=2, deadline_s=600, cpu=True)
+                e2e_steps=3, reps=2, deadline_s=600, cpu=True, backend="interpret")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,8 +134,11 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
     data = ContextData(k, v, q_obs, scale=1.0 / math.sqrt(plan.d))
     for name, m in (("squeezed", Squeezed(sparsity=0.9, n_sink=1)),
                     ("hsqueezed", HierarchicalSqueezed(sparsity=0.9, n_sink=1))):
+        from sqjax import dispatch
+
         t0 = time.perf_counter()
-        index, info = m.build(data)
+        with dispatch.using(plan.backend):
+            index, info = m.build(data)
         jax.block_until_ready(index)
         out[f"{name}_seconds"] = time.perf_counter() - t0  # includes compilation (first build)
         out[f"{name}_capacity"] = info["capacity"]
@@ -189,10 +193,12 @@ def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict
             t0 = time.perf_counter()
             try:
                 m = cls(sparsity=0.9, n_sink=1)
-                index, info = m.build(data)
+                with dispatch.using(plan.backend):
+                    index, info = m.build(data)
                 li = index.layer(0)
                 # thresholds for every sparsity from the same calibration scores
-                s, _ = squeezed.layer_scores(li, q_obs[0], index.threshold1, scale, "kv")
+                with dispatch.using(plan.backend):
+                    s, _ = squeezed.layer_scores(li, q_obs[0], index.threshold1, scale, "kv")
                 per_key = key_scores(s, li.labels)
                 thr = {sp: global_threshold([per_key], sp) for sp in plan.sparsities}
                 built[hier] = (m, index, thr)
@@ -214,6 +220,8 @@ def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict
             for name, fn in dense.items():
                 if time.perf_counter() > deadline:
                     break
+                if name == "xla" and t * length > (1 << 30):  # XLA materialises T x L scores: OOM
+                    continue
                 try:
                     dense_ms[name] = time_ms(fn, [(qq.swapaxes(0, 1)[None], kk, vv) for qq in qs], reps=plan.reps)
                 except Exception as e:  # noqa: BLE001
@@ -241,7 +249,7 @@ def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict
                         return o, sel.kv_rows, sel.meta_rows, sel.overflow
 
                     try:
-                        with dispatch.using("auto"):
+                        with dispatch.using(plan.backend):
                             lk = jax.jit(lookup_only)
                             fp = jax.jit(full_path)
                             row["lookup_ms"] = time_ms(lk, [(qq,) for qq in qs], reps=plan.reps)
@@ -299,8 +307,11 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
         ks, vs = zip(*[src.kv(length, seed=layer) for layer in range(plan.e2e_layers)])
         q_obs = jnp.stack([src.queries(100, seed=layer) for layer in range(plan.e2e_layers)])
         data = ContextData(jnp.stack(ks), jnp.stack(vs), q_obs, scale=1.0 / math.sqrt(plan.d))
+        from sqjax import dispatch
+
         method = Squeezed(sparsity=0.9, n_sink=1)
-        index, info = method.build(data)
+        with dispatch.using(plan.backend):
+            index, info = method.build(data)
     inv = tuple(float(x) for x in config_frequencies(cfg))
     n_prompt, n_steps = (128 if not plan.cpu else 8), plan.e2e_steps
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
@@ -336,7 +347,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
 
     for name, m, idx in (("squeezed", method, index), ("full", Full(), None)):
         try:
-            hook = SparseAttentionHook(m, inv, backend="auto")
+            hook = SparseAttentionHook(m, inv, backend=plan.backend)
             ttft, tpot = run(hook, {"k": data.k, "v": data.v, "index": idx})
             out[name] = {"ttft_s": ttft, "ms_per_token": 1e3 * tpot, "tokens_per_s": 1.0 / tpot}
             log(f"[e2e] {name}: TTFT {ttft * 1e3:.1f} ms ({n_prompt} tokens), {1e3 * tpot:.2f} ms/token")

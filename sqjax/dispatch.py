@@ -52,6 +52,7 @@ def cluster_scores(q, centroids, counts, scale: float, vote: str):
     from pallas_kernels import centroid_lookup_decode, centroid_lookup_prefill
 
     thr = jax.numpy.float32(0.0)
+    centroids = centroids.astype(q.dtype)  # the index stores centroids in the keys' dtype; no-op then
     if q.shape[1] == 1:
         _, s = centroid_lookup_decode(q[:, 0], centroids, counts, thr, scale=scale, vote=vote, backend=b)
     else:

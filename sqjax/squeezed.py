@@ -419,7 +419,9 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
             parent = jnp.zeros((g, hkv, c2), jnp.int32)
             cent1 = jnp.zeros((g, hkv, 0, d), jnp.float32)
             cnt1 = jnp.zeros((g, hkv, 0), jnp.int32)
-        out.append(SqueezedLayerIndex(km.centroids, km.counts, km.labels, perm, offsets, cent1, cnt1, parent))
+        # centroids are stored in the keys' dtype (bf16 keys -> bf16 centroids: half the lookup bytes)
+        out.append(SqueezedLayerIndex(km.centroids.astype(k.dtype), km.counts, km.labels, perm, offsets,
+                                      cent1.astype(k.dtype), cnt1, parent))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *out)
 
 

@@ -1,0 +1,116 @@
+"""The `sqjax` command line on a tiny Hugging Face checkpoint: outputs, --json, and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _tiny_model import save_hf_checkpoint, tiny_model
+
+from sqjax.cli import main
+
+DOC = " ".join(f"Record {i}: the {c} valve in room {i % 9} was serviced." for i, c in
+               zip(range(40), ["red", "blue", "green", "grey"] * 10))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_hf_checkpoint(tiny_model(), tmp_path_factory.mktemp("tiny") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def doc_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("docs") / "doc.txt"
+    p.write_text(DOC)
+    return p
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_subcommands():
+    out = subprocess.run([sys.executable, "-m", "sqjax.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for sub in ("demo", "index", "ask", "eval", "bench", "train-qclassifier"):
+        assert sub in out.stdout
+
+
+def test_index_then_ask_json(capsys, model_dir, doc_file, tmp_path):
+    out_path = tmp_path / "doc.sqx"
+    code, out, err = _run(capsys, "index", str(doc_file), "-o", str(out_path), "--model", model_dir,
+                          "--sparsity", "0.8", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["index"] == str(out_path) and info["document_tokens"] > 100 and out_path.is_file()
+    code, out, err = _run(capsys, "ask", str(out_path), "Which valve was serviced in room 3?", "--model", model_dir,
+                          "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+    ans = json.loads(out)
+    assert isinstance(ans["answer"], str) and 1 <= len(ans["token_ids"]) <= 5
+    assert 0 < ans["stats"]["kv_budget"] <= 1.0
+    # plain-text output streams the answer and prints the stats line
+    code, out, err = _run(capsys, "ask", str(out_path), "Which room?", "--model", model_dir, "--max-new-tokens", "3")
+    assert code == 0 and "KV budget" in out
+
+
+@pytest.mark.parametrize("method", ["quest", "snapkv", "saap", "hsqueezed"])
+def test_index_other_methods(capsys, model_dir, doc_file, tmp_path, method):
+    code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
+                          "--method", method, "--json")
+    assert code == 0, err
+    assert json.loads(out)["method"].startswith(method if method != "saap" else "saap")
+
+
+def _error_line(err: str) -> str:
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, f"expected one error line, got: {err!r}"
+    assert lines[0].startswith("sqjax: error: ")
+    return lines[0]
+
+
+def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    code, _, err = _run(capsys, "index", str(empty), "-o", str(tmp_path / "e.sqx"), "--model", model_dir)
+    assert code != 0 and "document is empty" in _error_line(err)
+    assert not (tmp_path / "e.sqx").exists()
+
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "nodir" / "x.sqx"), "--model", model_dir)
+    assert code != 0 and "does not exist" in _error_line(err)
+
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "s.sqx"), "--model", model_dir,
+                        "--sparsity", "1.5")
+    assert code != 0 and "sparsity must lie in (0, 1)" in _error_line(err)
+
+    code, _, err = _run(capsys, "index", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "m.sqx"))
+    assert code != 0 and "not found" in _error_line(err)
+
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", "no-such-model")
+    assert code != 0 and "unknown model" in _error_line(err)
+
+    with pytest.raises(SystemExit) as e:  # argparse rejects an unknown method by name
+        main(["index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--method", "magic"])
+    assert e.value.code == 2
+    assert "invalid choice: 'magic'" in capsys.readouterr().err
+
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text(DOC * 12)
+    code, _, err = _run(capsys, "index", str(long_doc), "-o", str(tmp_path / "l.sqx"), "--model", model_dir)
+    assert code != 0 and "tokens too many" in _error_line(err) and "--truncate" in err
+
+
+def test_ask_errors(capsys, model_dir, doc_file, tmp_path):
+    idx = tmp_path / "ok.sqx"
+    assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--json"]) == 0
+    capsys.readouterr()
+    code, _, err = _run(capsys, "ask", str(idx), "   ", "--model", model_dir)
+    assert code != 0 and "question is empty" in _error_line(err)
+    bad = tmp_path / "bad.sqx"
+    bad.write_bytes(idx.read_bytes()[:1000])
+    code, _, err = _run(capsys, "ask", str(bad), "hi", "--model", model_dir)
+    assert code != 0 and "corrupted or truncated" in _error_line(err)
+    code, _, err = _run(capsys, "ask", str(tmp_path / "none.sqx"), "hi", "--model", model_dir)
+    assert code != 0 and "not found" in _error_line(err)
