@@ -16,6 +16,14 @@
     measured in the same run; ratio = dense / pipeline.
 (c) Bytes moved and achieved TB/s of the sparse decode kernel and the decode
     lookup vs a measured device-to-device copy bandwidth.
+(d) Clustered pipeline (``pallas_kernels.clustered_attention``): the fixed context
+    reordered once by cluster (synthetic labels with lognormal cluster sizes, 4 sink
+    + 100 exact-tail rows), then decode = ``clustered_decode_attention`` end to end
+    (scoring kernel + attention kernel over contiguous cluster ranges + merge; a few
+    tile configs, best reported) with retrieved rows, bytes and TB/s and a full-size
+    compiled-vs-reference check; prefill = ``clustered_prefill_attention`` (lookup +
+    range expansion + gather + cuDNN).  Its compiled-vs-reference checks at small
+    shapes join the (a) list on the GPU (not in --cpu-smoke).
 
 Timing: every function is compiled and warmed up on each of 3 input sets (query,
 centroids, indices, new part rotate so L2 does not flatter; the big K/V are
@@ -56,6 +64,12 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             quest_page_scores, quest_page_scores_reference, quest_select,
                             saap_attention, saap_attention_reference, sparse_attention,
                             sparse_attention_reference)
+from pallas_kernels import clustered_attention as clat
+from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
+                                                clustered_decode_attention,
+                                                clustered_decode_attention_reference,
+                                                clustered_prefill_attention,
+                                                clustered_prefill_attention_reference)
 
 BF16 = jnp.bfloat16
 
@@ -144,6 +158,8 @@ def rel_err(a, b) -> float:
 
 
 def git_commit() -> tuple[str, bool]:
+  if os.environ.get("SQJAX_GIT_COMMIT"):  # set when the tree travels without .git
+    return os.environ["SQJAX_GIT_COMMIT"], False
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -330,6 +346,130 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("hierarchical_lookup_decode vote=q", lambda: hier_case("q", False), tl)
     check("quest scores + page-sparse decode", quest_case, ta)
     check("saap_attention decode", saap_case, ta)
+  if plan.checks in ("full", "quick"):
+    # (not in --cpu-smoke, whose check count the plumbing test pins; the tests run
+    # run_clustered_checks directly at tiny shapes)
+    results += run_clustered_checks(plan, log)
+  return results
+
+
+def synth_labels(key, hkv, n, num_c, sigma=1.0):
+  """Cluster labels [Hkv, n] with k-means-like size variation: cluster weights are
+  lognormal(0, sigma) (sizes from 0 to ~10x the mean), inverse-CDF sampling."""
+  kw, ku = jax.random.split(key)
+  w = jnp.exp(sigma * jax.random.normal(kw, (hkv, num_c)))
+  cdf = jnp.cumsum(w, axis=1) / jnp.sum(w, axis=1, keepdims=True)
+  u = jax.random.uniform(ku, (hkv, n))
+  lab = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u)
+  return jnp.minimum(lab, num_c - 1).astype(jnp.int32)
+
+
+def gap_threshold(scores, valid, lo_q=0.7, hi_q=0.9):
+  """A threshold inside the widest relative gap between consecutive valid scores in
+  the [lo_q, hi_q] quantile window: no score sits near it, so a few ulps between a
+  compiled kernel and the reference never flip a selection."""
+  s = np.sort(np.asarray(scores, np.float64)[np.asarray(valid)].reshape(-1))
+  if s.size < 2:
+    return np.float32(0.5 * (s[0] if s.size else 1.0))
+  a, b = int(lo_q * (s.size - 1)), max(int(hi_q * (s.size - 1)), int(lo_q * (s.size - 1)) + 1)
+  lo, hi = s[a:b], s[a + 1:b + 1]
+  i = int(np.argmax((hi - lo) / np.maximum(np.abs(hi), 1e-30)))
+  return np.float32(0.5 * (lo[i] + hi[i]))
+
+
+def run_clustered_checks(plan: Plan, log) -> list[dict]:
+  """Clustered (cluster-contiguous layout) decode/prefill: compiled vs reference, bf16."""
+  be = plan.backend
+  if plan.check_scale == "gpu":
+    hq, hkv, d, num_l, num_c, seq_len, num_s, n_sink, n_tail = 32, 8, 128, 3001, 150, 100, 77, 4, 100
+  else:
+    hq, hkv, d, num_l, num_c, seq_len, num_s, n_sink, n_tail = 4, 2, 32, 157, 21, 9, 7, 2, 11
+  rng = np.random.default_rng(4321)
+  scale = d ** -0.5
+  results = []
+  b = lambda x: jnp.asarray(x, BF16)
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+
+  def inputs(vote, prefill):
+    k = rng.normal(size=(hkv, num_l, d))
+    v = rng.normal(size=(hkv, num_l, d))
+    lab = np.asarray(synth_labels(jax.random.PRNGKey(int(rng.integers(1 << 30))), hkv,
+                                  num_l - n_sink - n_tail, num_c, sigma=1.5))
+    ks, vs, offs, _ = cluster_sort_layout(b(k), b(v), i32(lab), n_sink, n_tail,
+                                          num_clusters=num_c)
+    cnt = np.diff(np.asarray(offs), axis=1)
+    cent = rng.normal(size=(hkv, num_c, d))
+    cent[cnt == 0] = np.nan                                     # never read
+    t = seq_len if prefill else 1
+    q = b(rng.normal(size=(hq, t, d)))
+    kn = rng.normal(size=(hkv, num_s, d))
+    vn = rng.normal(size=(hkv, num_s, d))
+    kvp = num_l + np.arange(num_s)
+    kvp[rng.random(num_s) < 0.2] = -1
+    kn[:, kvp < 0] = np.nan                                     # padding slots: never read
+    vn[:, kvp < 0] = np.nan
+    qp = num_l + max(num_s - t, 0) + np.arange(t)
+    _, sc = centroid_lookup_reference(q if prefill else q[:, 0], b(cent), i32(cnt), 0.0,
+                                      scale=scale, vote=vote)
+    g_s = sc.shape[0] // hkv
+    thr = gap_threshold(sc, np.repeat(cnt > 0, g_s, axis=0))
+    args = [q if prefill else q[:, 0], ks, vs, b(cent), offs, jnp.float32(thr), b(kn), b(vn),
+            i32(qp[-1:] if not prefill else qp), i32(kvp)]
+    # poison the rows no selection head of the group retrieves
+    sel = np.asarray(sc) > thr
+    used = np.zeros((hkv, num_l), bool)
+    o = np.asarray(offs)
+    for s in range(sel.shape[0]):
+      h = s // g_s
+      used[h, o[h, -1]:] = True
+      for c in np.nonzero(sel[s] & (cnt[h] > 0))[0]:
+        used[h, o[h, c]:o[h, c + 1]] = True
+    args[1] = jnp.where(jnp.asarray(used)[..., None], ks, jnp.nan).astype(BF16)
+    args[2] = jnp.where(jnp.asarray(used)[..., None], vs, jnp.nan).astype(BF16)
+    return args
+
+  def case(vote, prefill):
+    args = inputs(vote, prefill)
+    if prefill:
+      out, sel, rows = clustered_prefill_attention(*args, scale=scale, vote=vote,
+                                                   capacity=num_l // 2, return_stats=True,
+                                                   backend=be)
+      ref, rsel, rrows = clustered_prefill_attention_reference(*args, scale=scale, vote=vote,
+                                                               return_stats=True)
+    else:
+      out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote,
+                                                  return_stats=True, backend=be)
+      ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
+                                                              return_stats=True)
+    flips = int(np.sum(np.asarray(sel) != np.asarray(rsel)))
+    rows_diff = int(np.abs(np.asarray(rows) - np.asarray(rrows)).max())
+    nan = bool(np.isnan(np.asarray(out, np.float32)).any())
+    err = rel_err(out, ref)
+    bad = nan or flips or rows_diff
+    return (float("inf") if bad else err), {"selection_flips": flips, "rows_max_diff": rows_diff,
+                                            "nan": nan}
+
+  def check(name, fn, tol):
+    t0 = time.perf_counter()
+    rec = {"name": name, "tol": tol}
+    try:
+      with jax.default_matmul_precision("highest"):
+        err, extra = fn()
+      rec.update(status="PASS" if err <= tol else "FAIL", max_rel_err=err, **extra)
+    except Exception as e:  # noqa: BLE001 - report and continue
+      rec.update(status="ERROR", error=short_error(e))
+      traceback.print_exc(file=sys.stderr)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    log(f"[check] {rec['status']:5s} {name:44s} max_rel_err={rec.get('max_rel_err', float('nan')):.3g}"
+        f" (tol {tol}) {rec.get('error', '')}")
+    results.append(rec)
+
+  check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
+  check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)
+  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the two above
+    check("clustered_decode vote=q poisoned", lambda: case("q", False), 2e-2)
+    if plan.checks == "full":
+      check("clustered_prefill vote=q poisoned", lambda: case("q", True), 3e-2)
   return results
 
 
@@ -366,6 +506,18 @@ def run_length(plan: Plan, num_l: int, log, deadline: float) -> list[dict]:
   k = jax.random.normal(kk, (hkv, num_l, d), BF16)
   v = jax.random.normal(kv_, (hkv, num_l, d), BF16)
   ccounts, coffs, ckeys = synth_clusters(kc, hkv, num_l, num_c)
+  # Cluster-contiguous layout for the clustered pipeline, built once (offline step).
+  layout, layout_err, layout_s = None, None, 0.0
+  try:
+    t0 = time.perf_counter()
+    layout = build_clustered_layout(plan, k, v, num_c, jax.random.fold_in(key, 7))
+    layout_s = time.perf_counter() - t0
+    log(f"[time] L={num_l} clustered layout built in {layout_s:.1f}s "
+        f"(C={num_c}, exact rows {layout['n_exact']})")
+  except Exception as e:  # noqa: BLE001 - the other rows still run
+    layout_err = short_error(e)
+    log(f"[time] L={num_l} clustered layout: ERROR {layout_err}")
+    traceback.print_exc(file=sys.stderr)
   out_cases = []
   for phase, seq_len, num_s in plan.phases:
     case: dict[str, Any] = {"L": num_l, "phase": phase, "T": seq_len, "S": num_s,
@@ -520,8 +672,151 @@ def run_length(plan: Plan, num_l: int, log, deadline: float) -> list[dict]:
       case["dense_bytes"] = float(db)
       if case.get("dense_ms"):
         case["dense_tb_per_s"] = db / (case["dense_ms"] * 1e-3) / 1e12
+    if layout is None:
+      case["errors"]["clustered_layout"] = layout_err
+    else:
+      case["clustered_layout_s"] = layout_s
+      try:
+        run_clustered(plan, case, sets, layout, attempt, seq_len=seq_len, num_s=num_s,
+                      inner=inner)
+      except Exception as e:  # noqa: BLE001 - never stops the other cases
+        case["errors"]["clustered"] = short_error(e)
+        traceback.print_exc(file=sys.stderr)
     del sets, at_sets, pp_sets, lk_sets
   return out_cases
+
+
+def build_clustered_layout(plan: Plan, k, v, num_c: int, key) -> dict:
+  """Synthetic labels (lognormal cluster sizes) -> sorted K/V + offsets; sink 4 rows,
+  exact tail 100 rows (DESIGN 3.1 n_obs), scaled down for tiny smoke shapes."""
+  hkv, num_l, _ = k.shape
+  n_sink, n_tail = (4, 100) if num_l >= 4096 else (2, 11)
+  labels = synth_labels(key, hkv, num_l - n_sink - n_tail, num_c)
+  ks, vs, offs, _ = cluster_sort_layout(k, v, labels, n_sink, n_tail, num_clusters=num_c)
+  jax.block_until_ready((ks, vs, offs))
+  cnt = jnp.diff(offs, axis=1).astype(jnp.int32)
+  sizes = np.asarray(cnt)
+  return {"k": ks, "v": vs, "offs": offs, "counts": cnt, "n_exact": n_sink + n_tail,
+          "n_sink": n_sink, "n_tail": n_tail,
+          "size_stats": {"mean": float(sizes.mean()), "max": int(sizes.max()),
+                         "empty_frac": float((sizes == 0).mean()),
+                         "p99": float(np.percentile(sizes, 99))}}
+
+
+def clustered_configs(plan: Plan) -> list[ClusteredConfig | None]:
+  if not plan.sweep:
+    return [None]
+  return [None,
+          ClusteredConfig(block_clusters=128, sub_clusters=128),
+          ClusteredConfig(block_clusters=256, sub_clusters=256),
+          ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
+          ClusteredConfig(block_clusters=512, sub_clusters=128, block_k=64, num_warps=8),
+          ClusteredConfig(target_programs=2048, block_k=32)]
+
+
+def _cfg_label(cfg: ClusteredConfig | None) -> str:
+  if cfg is None:
+    return "default"
+  bc = "auto" if cfg.block_clusters is None else cfg.block_clusters
+  return (f"bc{bc}_sub{cfg.sub_clusters}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
+          + (f"_t{cfg.target_programs}" if cfg.target_programs != 768 else ""))
+
+
+def run_clustered(plan: Plan, case: dict, sets: list[dict], layout: dict, attempt, *,
+                  seq_len: int, num_s: int, inner: int) -> None:
+  """Clustered pipeline rows (cluster-contiguous layout): decode = scoring kernel +
+  attention kernel + merge; prefill = lookup + range expansion + gather + cuDNN."""
+  hq, hkv, d = plan.hq, plan.hkv, plan.d
+  num_l = case["L"]
+  num_c = case["C"]
+  scale = d ** -0.5
+  keep = 1.0 - plan.sparsity
+  be = plan.backend
+  ks, vs, offs, cnt = layout["k"], layout["v"], layout["offs"], layout["counts"]
+  cl: dict[str, Any] = {"size_stats": layout["size_stats"], "n_exact": layout["n_exact"],
+                        "ms_by_config": {}}
+  case["clustered"] = cl
+
+  def calib():
+    s0 = sets[0]
+    if seq_len == 1:
+      _, sc = centroid_lookup_decode(s0["q"][:, 0], s0["cent"], cnt, 0.0, scale=scale,
+                                     backend=be)
+    else:
+      _, sc = centroid_lookup_prefill(s0["q"], s0["cent"], cnt, 0.0, scale=scale, backend=be)
+    return calibrate_threshold(sc, cnt, keep)
+  thr = attempt("clustered_calibrate", calib)
+  thr = jnp.float32(0.0 if thr is None else thr)
+  cl["threshold"] = float(thr)
+
+  if seq_len == 1:
+    c_sets = [(s["q"][:, 0], ks, vs, s["cent"], offs, thr, s["kn"], s["vn"], s["qp"], s["kvp"])
+              for s in sets]
+    for cfg in clustered_configs(plan):
+      label = _cfg_label(cfg)
+      fn = jax.jit(functools.partial(clustered_decode_attention, scale=scale, backend=be,
+                                     config=cfg))
+      ms = attempt(f"clustered[{label}]", lambda: time_fn(fn, c_sets, reps=plan.reps,
+                                                          inner=inner))
+      if ms is not None:
+        cl["ms_by_config"][label] = ms
+    if cl["ms_by_config"]:
+      best = min(cl["ms_by_config"], key=cl["ms_by_config"].get)
+      cl["ms"], cl["best_config"] = cl["ms_by_config"][best], best
+
+    def stats_and_check():
+      sfn = jax.jit(functools.partial(clustered_decode_attention, scale=scale, backend=be,
+                                      return_stats=True))
+      rows = [np.asarray(sfn(*a)[2], np.float64) for a in c_sets]
+      p = clat._make_plan(hq, hkv, num_l, num_c, num_s, d, "kv", ClusteredConfig())
+      byts = []
+      for r in rows:
+        kv_bytes = r.sum() * 2 * d * 2 + hkv * num_s * 2 * d * 2
+        other = (hkv * num_c * d * 2                  # centroids
+                 + 2 * hkv * (num_c + 1) * 4          # offsets (kernels A and B)
+                 + 2 * hq * num_c * 4                 # logits written by A, read by B
+                 + 2 * hkv * p.n_prog * p.g * (d + 2) * 4)   # partials written + merged
+        byts.append(kv_bytes + other)
+      cl["rows_per_head_first_set"] = rows[0].astype(int).tolist()
+      cl["retrieved_frac"] = float(np.mean([r.mean() for r in rows]) / num_l)
+      cl["bytes"] = float(np.mean(byts))
+      cl["kv_bytes_frac"] = float(np.mean([r.sum() for r in rows]) / (hkv * num_l))
+      cl["n_programs_attn"] = hkv * p.n_prog
+      if cl.get("ms"):
+        cl["tb_per_s"] = cl["bytes"] / (cl["ms"] * 1e-3) / 1e12
+      # correctness at this shape: compiled vs reference (bf16)
+      out, sel, _ = sfn(*c_sets[0])
+      with jax.default_matmul_precision("highest"):
+        ref, rsel, _ = clustered_decode_attention_reference(*c_sets[0], scale=scale,
+                                                            return_stats=True)
+      cl["check_rel_err"] = rel_err(out, ref)
+      cl["check_selection_flips"] = int(np.sum(np.asarray(sel) != np.asarray(rsel)))
+      cl["check_nan"] = bool(np.isnan(np.asarray(out, np.float32)).any())
+      return (f"retrieved {cl['retrieved_frac']:.3f} of L, check rel err "
+              f"{cl['check_rel_err']:.2g}, flips {cl['check_selection_flips']}")
+    attempt("clustered_stats", stats_and_check)
+  else:
+    cap = min(num_l, int(math.ceil((2 * keep * num_l + layout["n_exact"]) / 256) * 256))
+    cl["capacity"] = cap
+    p_sets = [(s["q"], ks, vs, s["cent"], offs, thr, s["kn"], s["vn"], s["qp"], s["kvp"])
+              for s in sets]
+    # return_stats only hands back arrays the pipeline computes anyway: time that variant
+    fn = jax.jit(functools.partial(clustered_prefill_attention, scale=scale, capacity=cap,
+                                   backend=be, return_stats=True))
+    ms = attempt("clustered_prefill", lambda: time_fn(fn, p_sets, reps=plan.reps, inner=inner))
+    if ms is not None:
+      cl["ms_by_config"]["default"] = ms
+      cl["ms"], cl["best_config"] = ms, "default"
+
+    def pstats():
+      rows = np.asarray(fn(*p_sets[0])[2])
+      cl["rows_per_head_first_set"] = rows.astype(int).tolist()
+      cl["retrieved_frac"] = float(rows.mean() / num_l)
+      cl["overflow_heads"] = int(np.sum(rows > cap))
+      return f"retrieved {cl['retrieved_frac']:.3f} of L, overflow heads {cl['overflow_heads']}"
+    attempt("clustered_prefill_stats", pstats)
+  if cl.get("ms") and case.get("dense_ms"):
+    cl["ratio"] = case["dense_ms"] / cl["ms"]
 
 
 # ----------------------------------------------------------------------------
@@ -570,6 +865,31 @@ def to_markdown(res: dict) -> str:
                  f"{fmt(c.get('index_ms'))} | {att} | "
                  f"{fmt(c.get('total_ms'))} | {fmt(c.get('pipeline_ms'))} | "
                  f"{fmt(c.get('gather_dense_ms'))} | {fmt(c.get('dense_ms'))} | {ratio} |")
+  if any(c.get("clustered") for c in res["cases"]):
+    lines += ["", "## Clustered pipeline (cluster-contiguous layout, no index build)", "",
+              "decode: scoring kernel + attention kernel + merge, one jit; prefill: lookup + "
+              "range expansion + gather + cuDNN.  bytes = retrieved K/V rows (exact part and "
+              "new part included) + centroids + logits/offsets/partials traffic.", "",
+              "| L | phase | T | clustered ms (best cfg) | rows / L | bytes | TB/s | "
+              "dense cuDNN | dense / clustered | check rel err (flips) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in res["cases"]:
+      cl = c.get("clustered")
+      if not cl:
+        continue
+      ms = fmt(cl.get("ms")) + (f" ({cl['best_config']})" if cl.get("best_config") else "")
+      ratio = fmt(cl.get("ratio"), 2) + ("×" if cl.get("ratio") else "")
+      chk = (f"{fmt(cl.get('check_rel_err'), 4)} ({cl.get('check_selection_flips')})"
+             if "check_rel_err" in cl else "—")
+      lines.append(f"| {c['L']} | {c['phase']} | {c['T']} | {ms} | "
+                   f"{fmt(cl.get('retrieved_frac'))} | {fmt(cl.get('bytes'), 0)} | "
+                   f"{fmt(cl.get('tb_per_s'))} | {fmt(c.get('dense_ms'))} | {ratio} | {chk} |")
+    sweep = [(c["L"], c["phase"], cl) for c in res["cases"] if (cl := c.get("clustered"))
+             and len(cl.get("ms_by_config", {})) > 1]
+    if sweep:
+      lines += ["", "Clustered decode configs (ms): " + "; ".join(
+          f"L={a}: " + ", ".join(f"{k} {v:.4f}" for k, v in cl["ms_by_config"].items())
+          for a, _, cl in sweep)]
   errs = [(c["L"], c["phase"], k, v) for c in res["cases"] for k, v in c["errors"].items()]
   if errs:
     lines += ["", "## Errors", ""] + [f"- L={a} {b} {k}: {v}" for a, b, k, v in errs]

@@ -287,7 +287,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     from models.forward import forward_jit
     from models.llama import Llama
     from models.rope import config_frequencies
-    from sqjax.fixed_context import SparseAttentionHook
+    from sqjax.fixed_context import SparseAttentionHook, attention_state
     from sqjax.methods import ContextData, Full, Squeezed
 
     cfg = LlamaConfig(vocab_size=plan.e2e_vocab, hidden_size=plan.e2e_hidden, intermediate_size=plan.e2e_inter,
@@ -348,7 +348,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     for name, m, idx in (("squeezed", method, index), ("full", Full(), None)):
         try:
             hook = SparseAttentionHook(m, inv, backend=plan.backend)
-            ttft, tpot = run(hook, {"k": data.k, "v": data.v, "index": idx})
+            ttft, tpot = run(hook, attention_state(data.k, data.v, idx))
             out[name] = {"ttft_s": ttft, "ms_per_token": 1e3 * tpot, "tokens_per_s": 1.0 / tpot}
             log(f"[e2e] {name}: TTFT {ttft * 1e3:.1f} ms ({n_prompt} tokens), {1e3 * tpot:.2f} ms/token")
         except Exception as e:  # noqa: BLE001

@@ -12,6 +12,7 @@ from pallas_kernels._attention_core import AttentionConfig
 from pallas_kernels._dispatch import BACKENDS, resolve_backend
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_decode,
                                             centroid_lookup_prefill, centroid_lookup_reference)
+from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout, clustered_decode_attention, clustered_decode_attention_reference, clustered_prefill_attention, clustered_prefill_attention_reference)  # noqa: E501
 from pallas_kernels.hierarchical_lookup import (children_csr, hierarchical_lookup_decode,
                                                 hierarchical_lookup_prefill,
                                                 hierarchical_lookup_reference)
@@ -23,7 +24,9 @@ from pallas_kernels.sparse_attention import (clusters_to_indices, gather_then_de
                                              sparse_attention, sparse_attention_reference)
 
 __all__ = [
-    "AttentionConfig", "BACKENDS", "CentroidLookupConfig", "QuestScoreConfig",
+    "AttentionConfig", "BACKENDS", "CentroidLookupConfig", "ClusteredConfig", "QuestScoreConfig",
+    "cluster_sort_layout", "clustered_decode_attention", "clustered_decode_attention_reference",
+    "clustered_prefill_attention", "clustered_prefill_attention_reference",
     "centroid_lookup_decode", "centroid_lookup_prefill", "centroid_lookup_reference",
     "children_csr", "clusters_to_indices", "gather_then_dense_attention", "hierarchical_lookup_decode",
     "hierarchical_lookup_prefill", "hierarchical_lookup_reference", "quest_decode_attention",

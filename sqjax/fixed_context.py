@@ -46,7 +46,9 @@ class SqjaxError(ValueError):
 class SparseAttentionHook:
     """`attn_fn` for `models.forward`: a method's selection of the fixed context + causal input.
 
-    attn_state = {"k": [layers, Hkv, L, d], "v": ..., "index": method index}.
+    attn_state = attention_state(k, v, index): per-layer K/V as tuples of [Hkv, L, d] arrays
+    (slicing a stacked [layers, ...] array inside the jitted forward made XLA copy it every
+    layer: 5x slower decode on CPU) and the method's index.
     """
 
     method: Method
@@ -77,6 +79,11 @@ class SparseAttentionHook:
 def _log_softmax_rows(logits, targets):
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+def attention_state(k: jax.Array, v: jax.Array, index) -> dict:
+    """The hook's attn_state: per-layer fixed K/V [Hkv, L, d] tuples and the method index."""
+    return {"k": tuple(k[i] for i in range(k.shape[0])), "v": tuple(v[i] for i in range(v.shape[0])), "index": index}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +157,7 @@ class FixedContext:
         self._hook = SparseAttentionHook(
             method, tuple(float(x) for x in _inv_freq(cfg)), needs_q_pre=isinstance(method, Saap)
         )
-        self._state = {"k": data.k, "v": data.v, "index": index}
+        self._state = attention_state(data.k, data.v, index)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
@@ -231,14 +238,21 @@ class FixedContext:
     def _new_cache(self, n: int):
         return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
 
-    def _selections(self, captures, q_valid) -> list[Selection]:
-        """Re-run the method's lookup on captured queries (stats only; outside the timed path)."""
-        sels = []
-        for layer, cap in enumerate(captures):
-            q = jnp.swapaxes(cap["q"][0], 0, 1)
-            q_pre = jnp.swapaxes(cap["q_pre"][0], 0, 1)
-            sels.append(_select_jit(self.method, self.index, layer, q, q_pre, self.data.k[layer], q_valid))
-        return sels
+    def _lookup_stats(self, q: jax.Array, q_pre: jax.Array, n_valid: int, q_valid=None) -> list[Selection]:
+        """Re-run the method's lookup on captured queries, for accounting only (outside the timed path).
+
+        q, q_pre: [layers, S, Hq, T, d] — S lookups (decode steps, padded) of T tokens each;
+        the first `n_valid` lookups count. Returns one Selection per layer whose kv_rows and
+        meta_rows are [Hs, n_valid * T'] (one column per lookup token).
+        """
+        rows, meta, over = _lookup_stats_jit(self.method, self.index, self._state["k"], q, q_pre, q_valid)
+        out = []
+        for layer in range(len(rows)):
+            r = np.asarray(rows[layer][:n_valid])  # [n, Hs, Ts]
+            m = np.asarray(meta[layer][:n_valid])
+            out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
+                                 np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), np.asarray(over[layer][:n_valid]).any(0)))
+        return out
 
     def _question_ids(self, question: str) -> np.ndarray:
         if not isinstance(question, str) or not question.strip():
@@ -269,7 +283,9 @@ class FixedContext:
         logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None)
         nxt = int(_sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))
         ttft = time.perf_counter() - t0
-        prefill_sel = self._selections(caps, jnp.asarray(padded >= 0))
+        stack = lambda key, cs: jnp.stack([jnp.swapaxes(c[key][0], 0, 1) for c in cs])  # [layers, Hq, T, d]  # noqa: E731
+        prefill_sel = self._lookup_stats(stack("q", caps)[:, None], stack("q_pre", caps)[:, None], 1,
+                                         jnp.asarray(padded >= 0))
         out, step_caps, step_times = [], [], []
         pos = self.n_tokens + len(q_ids)
         emitted = ""
@@ -287,22 +303,23 @@ class FixedContext:
             step_times.append(time.perf_counter() - ts)
             step_caps.append(caps)
             pos += 1
-        stats = self._stats(prefill_sel, step_caps, len(q_ids), len(out), ttft, step_times)
+        step_sel = None
+        if step_caps:
+            n_pad = max_new_tokens - 1  # a fixed number of lookups: one compilation per max_new_tokens
+            qs = [jnp.stack([stack("q", c), stack("q_pre", c)]) for c in step_caps]  # [2, layers, Hq, 1, d]
+            qs = jnp.stack(qs + [jnp.zeros_like(qs[0])] * (n_pad - len(qs)), axis=2)  # [2, layers, S, Hq, 1, d]
+            step_sel = self._lookup_stats(qs[0], qs[1], len(step_caps))
+        stats = self._stats(prefill_sel, step_sel, len(q_ids), len(out), ttft, step_times)
         return Answer(tok.decode(out), out, stats)
 
-    def _stats(self, prefill_sel, step_caps, n_prompt, n_new, ttft, step_times) -> AnswerStats:
+    def _stats(self, prefill_sel, step_sel, n_prompt, n_new, ttft, step_times) -> AnswerStats:
         cfg = self.model.config
         bpe = jnp.dtype(self.data.k.dtype).itemsize
         acc = lambda sels: account(sels, self.n_tokens, cfg.head_dim, cfg.num_kv_heads, bpe)  # noqa: E731
         pre = acc(prefill_sel)
-        if step_caps:
-            reps = [acc(self._selections(c, jnp.ones((1,), bool))) for c in step_caps]
-            per_layer = np.mean([r.per_layer for r in reps], axis=0)
-            kv = float(np.mean([r.overall for r in reps]))
-            moved = float(np.mean([r.bytes_moved for r in reps]))
-        else:
-            per_layer, kv, moved = pre.per_layer, pre.overall, pre.bytes_moved
-        overflow = any(bool(np.any(np.asarray(s.overflow))) for s in prefill_sel)
+        dec = acc(step_sel) if step_sel else pre  # decode: mean over the generated tokens' lookups
+        overflow = any(bool(np.any(np.asarray(s.overflow))) for s in prefill_sel + (step_sel or []))
+        per_layer, kv, moved = dec.per_layer, dec.overall, dec.bytes_moved
         return AnswerStats(
             method=self.method.label, n_prompt_tokens=n_prompt, n_new_tokens=n_new, kv_budget=kv,
             kv_budget_prefill=pre.overall, kv_budget_per_layer=[float(x) for x in per_layer],
@@ -435,9 +452,19 @@ def _prefill_document(model, ids: np.ndarray, method: Method, *, chunk: int, pro
     return ContextData(k, v, q_obs, k_pre=k_pre, scale=scale), logits[0, -1]
 
 
-@functools.partial(jax.jit, static_argnames=("method", "layer"))
-def _select_jit(method, index, layer, q, q_pre, k_fixed, q_valid):
-    return method.select(index, layer, q, q_pre, k_fixed, q_valid=q_valid)
+@functools.partial(jax.jit, static_argnames=("method",))
+def _lookup_stats_jit(method, index, k_fixed, q, q_pre, q_valid):
+    """Rows read per lookup for every layer: q [layers, S, Hq, T, d] -> per layer [S, Hs, Ts] (x2), [S, Hs]."""
+    rows, meta, over = [], [], []
+    for layer in range(q.shape[0]):
+        def one(qs, qps, layer=layer):
+            sel = method.select(index, layer, qs, qps, k_fixed[layer], q_valid=q_valid)
+            return sel.kv_rows, sel.meta_rows, sel.overflow
+        r, m, o = jax.vmap(one)(q[layer], q_pre[layer])
+        rows.append(r)
+        meta.append(m)
+        over.append(o)
+    return rows, meta, over  # lists over layers (dense layers have Ts = 1)
 
 
 def _sample(logits, key, temperature: float, top_p: float):

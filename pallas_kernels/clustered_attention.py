@@ -1,0 +1,770 @@
+"""Squeezed Attention over a cluster-contiguous KV layout (DESIGN section 4).
+
+Offline, the fixed context's keys/values are reordered per KV head by cluster
+(``cluster_sort_layout``): ``k_sorted, v_sorted [Hkv, L, d]`` where cluster ``c`` of
+KV head ``h`` occupies rows ``[offsets[h, c], offsets[h, c + 1])`` and rows
+``[offsets[h, C], L)`` are the *exact part* (attention sink + exact tail + keys
+without a cluster), always attended.  A retrieved cluster is then a contiguous row
+range: no index list is ever built.
+
+Semantics (Squeezed Attention Eq. 1 with ``N_c = offsets[c+1] - offsets[c]``)::
+
+    S_c = exp(s q.C_c) / sum_j N_j exp(s q.C_j)           (max-subtracted)
+
+clusters with ``N_c == 0`` take no part and are never selected (never NaN).
+``vote="kv"``: the mean of ``S`` over the ``g`` query heads of each KV head selects
+one set per KV head (``Hs = Hkv``); ``vote="q"``: one set per query head
+(``Hs = Hq``).  Cluster ``c`` is selected iff ``S_c > threshold``.  Each query
+head attends exactly (f32 accumulation) to the rows of its selected clusters, the
+exact part, and the new keys ``j`` with ``0 <= kv_pos_new[j] <= q_pos``; a head
+that sees nothing outputs 0.
+
+Offsets are clipped into ``[0, L]`` inside the kernels (a cluster with
+``hi < lo`` is empty) so that no out-of-bounds row is ever read; they must be
+non-decreasing (``cluster_sort_layout`` makes them so) for the result to mean
+anything.
+
+Decode (``clustered_decode_attention``) = 2 Pallas kernels + a fused jnp merge,
+no host synchronisation and no index list:
+
+(A) ``_score_kernel``, grid (Hkv, centroid blocks of ``block_c``): loads its
+    centroid block once for the ``g`` query heads of the KV head, writes the
+    scaled logits ``x = s q.C`` [Hkv, g, C] (f32) and per block the max ``m_b`` and
+    ``l_b = sum N exp(x - m_b)``.
+(B) ``_attn_kernel``, grid (Hkv, programs).  Programs are, in this order: the new
+    part in chunks of ``chunk_new`` keys, the exact part split over
+    ``exact_programs`` programs, then one program per ``block_clusters``
+    clusters.  A cluster program reduces the block stats of its heads to the
+    global max ``M`` and denominator ``D`` (``nA`` values per head), and for each
+    sub-block of ``sub_clusters`` clusters forms ``S = exp(x - M) / D``, votes,
+    prefix-sums the sizes of the selected clusters (vote "q": of the union over
+    the group, with a per-cluster bit mask of the heads that selected it) and
+    streams the concatenated row ranges in tiles of ``block_k`` rows -- one K/V
+    tile load serves the ``g`` query heads stacked as rows.  Every program writes
+    an unnormalised partial ``(o, m, l)``.
+(C) a log-sum-exp merge of the partials (one fused XLA reduction).
+
+Prefill (``clustered_prefill_attention``, a block of T tokens, one selection per
+head for the block): scores by the existing ``centroid_lookup_prefill`` kernels,
+the selected ranges (+ the exact part) expanded to a static-capacity row list,
+then ``gather_then_dense_attention`` (cuDNN on GPU, bf16/f16) or
+``sparse_attention`` (f32).  If a head wants more rows than ``capacity``, a
+``lax.cond`` falls back to a full-capacity (= L) gather: never silently wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _attention_core as core
+from pallas_kernels import _common as cm
+from pallas_kernels._dispatch import pallas_call, resolve_backend
+from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_prefill,
+                                            centroid_lookup_reference)
+from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
+
+__all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
+           "clustered_decode_attention_reference", "clustered_prefill_attention",
+           "clustered_prefill_attention_reference"]
+
+MAX_VOTE_Q_GROUP = 30     # vote="q" keeps one bit per query head of a group in an int32
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusteredConfig:
+  """Static tiling of the clustered decode kernels.
+
+  block_c: centroids per scoring program (kernel A), power of two >= 16.
+  block_clusters: clusters per attention program (kernel B), a multiple of
+    ``sub_clusters``; None = power of two chosen so that about
+    ``target_programs`` cluster programs run.
+  sub_clusters: clusters prefix-summed together (the width of the per-tile
+    row -> cluster search), power of two >= 16.
+  block_k: K/V rows per tile (power of two >= 16).
+  chunk_new: user-input keys per program (multiple of block_k) or None (auto).
+  exact_programs: programs per KV head for the exact part (>= 1).
+  """
+  block_c: int = 256
+  block_clusters: int | None = None
+  sub_clusters: int = 64
+  block_k: int = 64
+  chunk_new: int | None = None
+  exact_programs: int = 2
+  num_warps: int = 4
+  num_stages: int = 2
+  score_warps: int = 4
+  target_programs: int = 768
+
+  def __post_init__(self):
+    cm.check_pow2("block_c", self.block_c)
+    cm.check_pow2("sub_clusters", self.sub_clusters)
+    cm.check_pow2("block_k", self.block_k)
+    bc = self.block_clusters
+    if bc is not None and (not isinstance(bc, int) or bc < self.sub_clusters
+                           or bc % self.sub_clusters):
+      raise ValueError(f"block_clusters must be None or a positive multiple of sub_clusters="
+                       f"{self.sub_clusters}, got {bc!r}")
+    cn = self.chunk_new
+    if cn is not None and (not isinstance(cn, int) or cn < self.block_k or cn % self.block_k):
+      raise ValueError(f"chunk_new must be None or a positive multiple of block_k={self.block_k},"
+                       f" got {cn!r}")
+    if not isinstance(self.exact_programs, int) or self.exact_programs < 1:
+      raise ValueError(f"exact_programs must be a positive int, got {self.exact_programs!r}")
+    cm.check_warps_stages(self.num_warps, self.num_stages)
+    cm.check_warps_stages(self.score_warps, 1)
+    if not isinstance(self.target_programs, int) or self.target_programs < 1:
+      raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static shapes of one decode call."""
+  hq: int
+  hkv: int
+  g: int
+  rp: int          # stacked query rows (g padded to a power of two >= 16)
+  num_l: int
+  num_c: int
+  num_s: int
+  dp: int
+  block_c: int     # kernel A
+  n_a: int         # centroid blocks
+  n_a2: int        # n_a padded to a power of two
+  bc: int          # clusters per kernel-B program
+  bcs: int         # sub-block
+  n_cb: int        # cluster programs per KV head
+  cx: int          # columns of the logits buffer
+  block_k: int
+  chunk_new: int
+  n_new: int       # new-part programs per KV head
+  n_ex: int        # exact-part programs per KV head
+  vote: str
+
+  @property
+  def n_prog(self) -> int:
+    return self.n_new + self.n_ex + self.n_cb
+
+
+def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _Plan:
+  g = hq // hkv
+  rp = max(16, cm.next_pow2(g))
+  cpow = max(16, cm.next_pow2(num_c))
+  block_c = min(cfg.block_c, cpow)
+  n_a = cm.cdiv(num_c, block_c)
+  bcs = min(cfg.sub_clusters, cpow)
+  if cfg.block_clusters is not None:
+    bc = max(bcs, min(cfg.block_clusters, cm.cdiv(cpow, bcs) * bcs))
+  else:
+    want = max(1.0, hkv * num_c / cfg.target_programs)
+    bc = 1 << max(0, round(np.log2(want)))       # nearest power of two in log scale
+    bc = max(bcs, min(bc, 1024, cpow))
+  n_cb = cm.cdiv(num_c, bc)
+  cx = max(n_a * block_c, n_cb * bc)
+  bk = cfg.block_k
+  if num_s:
+    if cfg.chunk_new is not None:
+      chunk_new = cfg.chunk_new
+    else:
+      n = cm.cdiv(num_s, 256)
+      chunk_new = cm.cdiv(cm.cdiv(num_s, n), bk) * bk
+    n_new = cm.cdiv(num_s, chunk_new)
+  else:
+    chunk_new, n_new = bk, 0
+  return _Plan(hq=hq, hkv=hkv, g=g, rp=rp, num_l=num_l, num_c=num_c, num_s=num_s,
+               dp=cm.padded_head_dim(d), block_c=block_c, n_a=n_a,
+               n_a2=max(16, cm.next_pow2(n_a)), bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
+               block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
+               vote=vote)
+
+
+# ----------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------
+def _clipped_ranges(offs_ref, kv, c, valid, *, num_c, num_l):
+  """(lo, count) of clusters ``c`` of KV head ``kv``; offsets clipped to [0, L]."""
+  base = kv * (num_c + 1)
+  lo = cm.gather_vec(offs_ref, base + c, valid, other=0)
+  hi = cm.gather_vec(offs_ref, base + c + 1, valid, other=0)
+  lo = jnp.clip(lo, 0, num_l)
+  hi = jnp.clip(hi, 0, num_l)
+  return lo, jnp.maximum(hi - lo, 0)
+
+
+def _score_kernel(q_ref,      # [Hq, dp]
+                  c_ref,      # [Hkv * C, dp]
+                  offs_ref,   # [Hkv * (C + 1)] int32
+                  x_ref,      # out [Hkv, g, Cx] f32 scaled logits (MASK on invalid)
+                  m_ref,      # out [Hkv, g, nA2] f32 block max
+                  l_ref,      # out [Hkv, g, nA2] f32 block sum N exp(x - m)
+                  *, p: _Plan, scale, exact_dot):
+  kv = pl.program_id(0)
+  cb = pl.program_id(1)
+  hr = jnp.arange(p.rp, dtype=jnp.int32)
+  hv = hr < p.g
+  q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
+  j = cb * p.block_c + jnp.arange(p.block_c, dtype=jnp.int32)
+  jv = j < p.num_c
+  _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
+  valid = jv & (cnt > 0)
+  c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)            # [Bc, dp]
+  if exact_dot:
+    x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
+  else:
+    x = plgpu.dot(q, c, trans_b=True)
+  x = jnp.where(valid[None, :], x * scale, cm.MASK_VALUE)             # [rp, Bc]
+  m = jnp.max(x, axis=1)
+  e = jnp.where(valid[None, :], jnp.exp(x - m[:, None]), 0.0)
+  l = jnp.sum(e * cnt.astype(jnp.float32)[None, :], axis=1)
+  plgpu.store(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(cb * p.block_c, p.block_c)], x,
+              mask=hv[:, None])
+  plgpu.store(m_ref.at[kv, pl.ds(0, p.rp), cb], m, mask=hv)
+  plgpu.store(l_ref.at[kv, pl.ds(0, p.rp), cb], l, mask=hv)
+
+
+def _attn_kernel(thr_ref,      # [1] f32
+                 qpos_ref,     # [1] int32
+                 q_ref,        # [Hq, dp]
+                 offs_ref,     # [Hkv * (C + 1)] int32
+                 x_ref,        # [Hkv, g, Cx] f32
+                 ms_ref,       # [Hkv, g, nA2] f32
+                 ls_ref,       # [Hkv, g, nA2] f32
+                 k_ref,        # [Hkv * L, dp]
+                 v_ref,        # [Hkv * L, dp]
+                 *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
+                 p: _Plan, scale, return_stats):
+  refs = list(refs)
+  if p.num_s:
+    kn_ref, vn_ref, kvpos_ref = refs[:3]
+    refs = refs[3:]
+  sel_ref = refs.pop(0) if return_stats else None
+  o_ref, m_ref, l_ref = refs
+  vote_q = p.vote == "q"
+  kv = pl.program_id(0)
+  prog = pl.program_id(1)
+  i32 = jnp.int32
+  hr = jnp.arange(p.rp, dtype=i32)
+  hv = hr < p.g
+  q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
+  jj = jnp.arange(p.block_k, dtype=i32)
+  carry = (jnp.zeros((p.rp, p.dp), jnp.float32),
+           jnp.full((p.rp,), cm.MASK_VALUE, jnp.float32),
+           jnp.zeros((p.rp,), jnp.float32))
+
+  # --- the new part (user input), causal by position -------------------------------
+  if p.num_s:
+    is_new = prog < p.n_new
+    new_lo = prog * p.chunk_new
+    new_hi = jnp.minimum(new_lo + p.chunk_new, p.num_s)
+    q_pos = qpos_ref[0]
+    n_new_tiles = jnp.where(is_new, cm.kcdiv(jnp.maximum(new_hi - new_lo, 0), p.block_k),
+                            i32(0)).astype(i32)
+
+    def new_body(it, carry):
+      j = new_lo + it * p.block_k + jj
+      jv = j < new_hi
+      kp = cm.gather_vec(kvpos_ref, j, jv, other=-1)
+      vis = jv & (kp >= 0) & (kp <= q_pos)
+      rows = kv * p.num_s + j
+      kt = cm.gather_rows(kn_ref, rows, p.dp, vis)
+      vt = cm.gather_rows(vn_ref, rows, p.dp, vis)
+      mask = jnp.broadcast_to(vis[None, :], (p.rp, p.block_k))
+      return core._online_update(carry, q, kt, vt, mask, scale)
+
+    carry = lax.fori_loop(i32(0), n_new_tiles, new_body, carry)
+
+  # --- fixed context: exact-part programs and cluster programs ----------------------
+  ex_i = prog - p.n_new
+  cl_i = prog - p.n_new - p.n_ex
+  is_ex = (ex_i >= 0) & (ex_i < p.n_ex)
+  is_cl = cl_i >= 0
+  off_c = jnp.clip(offs_ref[kv * (p.num_c + 1) + p.num_c], 0, p.num_l)
+  ex_total = p.num_l - off_c
+  ex_chunk = cm.kcdiv(ex_total, p.n_ex)
+  ex_lo = off_c + ex_i * ex_chunk
+  ex_n = jnp.clip(jnp.minimum(ex_total - ex_i * ex_chunk, ex_chunk), 0, p.num_l)
+
+  # Global softmax statistics of this group's heads (cluster programs only).
+  cols = jnp.arange(p.n_a2, dtype=i32)
+  smask = hv[:, None] & (cols < p.n_a)[None, :] & is_cl
+  ms = plgpu.load(ms_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_a2)], mask=smask,
+                  other=cm.MASK_VALUE)                                 # [rp, nA2]
+  ls = plgpu.load(ls_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_a2)], mask=smask, other=0.0)
+  big_m = jnp.max(ms, axis=1)                                          # [rp]
+  den = jnp.sum(jnp.where(smask, ls * jnp.exp(ms - big_m[:, None]), 0.0), axis=1)
+  inv_den = jnp.where(hv & (den > 0), 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+  thr = thr_ref[0]
+  all_bits = (1 << p.g) - 1 if vote_q else 1
+  head_bit = jnp.left_shift(i32(1), hr)                                # [rp]
+  slot = jnp.arange(p.bcs, dtype=i32)
+  n_sub = p.bc // p.bcs
+  n_sub_loop = jnp.where(is_cl, i32(n_sub), jnp.where(is_ex, i32(1), i32(0))).astype(i32)
+
+  def sub_body(sb, carry):
+    c0 = cl_i * p.bc + sb * p.bcs
+    c = c0 + slot
+    cv = is_cl & (c < p.num_c)
+    lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
+    valid = cv & (cnt > 0)
+    xmask = hv[:, None] & valid[None, :]
+    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=xmask,
+                   other=cm.MASK_VALUE)                                # [rp, Bcs]
+    s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
+    if vote_q:
+      selh = xmask & (s > thr)                                         # [rp, Bcs]
+      bits = jnp.sum(jnp.where(selh, head_bit[:, None], 0), axis=0)   # [Bcs]
+      sel = bits != 0
+    else:
+      vsum = jnp.sum(s, axis=0) * (1.0 / p.g)                          # group mean
+      sel = valid & (vsum > thr)
+      bits = jnp.where(sel, i32(1), i32(0))
+    if return_stats:
+      if vote_q:
+        plgpu.store(sel_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], selh.astype(i32),
+                    mask=hv[:, None] & cv[None, :])
+      else:
+        plgpu.store(sel_ref.at[kv, pl.ds(c0, p.bcs)], sel.astype(i32), mask=cv)
+    # The exact-part program uses slot 0 for its chunk (always selected, every head).
+    first = slot == 0
+    start = jnp.where(is_ex, jnp.where(first, ex_lo, 0), lo)
+    size = jnp.where(is_ex, jnp.where(first, ex_n, 0), jnp.where(sel, cnt, 0))
+    bits = jnp.where(is_ex, jnp.where(first, i32(all_bits), 0), bits)
+    vend = jnp.cumsum(size)                                            # inclusive
+    vstart = vend - size
+    total = jnp.sum(size)
+    delta = start - vstart                                             # row = j + delta
+
+    def tile_body(t, carry):
+      j = t * p.block_k + jj                                           # virtual rows
+      jv = j < total
+      if vote_q:
+        inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
+        row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
+        rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
+        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
+      else:
+        # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
+        # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
+        # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
+        row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
+                                    jnp.iinfo(jnp.int32).min), axis=1)
+        mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
+      # in bounds whatever the offsets hold (well-formed offsets never need the clip)
+      rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
+      kt = cm.gather_rows(k_ref, rows, p.dp, jv)                       # [Bk, dp]
+      vt = cm.gather_rows(v_ref, rows, p.dp, jv)
+      return core._online_update(carry, q, kt, vt, mask, scale)
+
+    n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
+    return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
+
+  carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
+  o, m, l = carry
+  plgpu.store(o_ref.at[kv, prog, pl.ds(0, p.rp), :], o, mask=hv[:, None])
+  plgpu.store(m_ref.at[kv, prog, pl.ds(0, p.rp)], m, mask=hv)
+  plgpu.store(l_ref.at[kv, prog, pl.ds(0, p.rp)], l, mask=hv)
+
+
+# ----------------------------------------------------------------------------
+# Builders.
+# ----------------------------------------------------------------------------
+def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
+                   *, scale, vote, return_stats, cfg: ClusteredConfig, backend):
+  hq, d = q.shape
+  hkv, num_l, _ = k.shape
+  num_c = centroids.shape[1]
+  num_s = k_new.shape[1]
+  p = _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg)
+  dp = p.dp
+  qf = cm.pad_axis(q, 1, dp)
+  offs = offsets.reshape(-1)
+  c_flat = cm.pad_axis(centroids, 2, dp).reshape(hkv * num_c, dp)
+  x, ms, ls = pallas_call(
+      functools.partial(_score_kernel, p=p, scale=scale,
+                        exact_dot=jnp.dtype(q.dtype) == jnp.dtype(jnp.float32)),
+      backend=backend, num_warps=cfg.score_warps, num_stages=1,
+      grid=(hkv, p.n_a),
+      out_shape=[jax.ShapeDtypeStruct((hkv, p.g, p.cx), jnp.float32),
+                 jax.ShapeDtypeStruct((hkv, p.g, p.n_a2), jnp.float32),
+                 jax.ShapeDtypeStruct((hkv, p.g, p.n_a2), jnp.float32)],
+      name="clustered_scores",
+  )(qf, c_flat, offs)
+  args = [jnp.reshape(threshold, (1,)).astype(jnp.float32), q_pos.astype(jnp.int32), qf, offs,
+          x, ms, ls,
+          cm.pad_axis(k, 2, dp).reshape(hkv * num_l, dp),
+          cm.pad_axis(v, 2, dp).reshape(hkv * num_l, dp)]
+  if num_s:
+    args += [cm.pad_axis(k_new, 2, dp).reshape(hkv * num_s, dp),
+             cm.pad_axis(v_new, 2, dp).reshape(hkv * num_s, dp),
+             kv_pos_new.astype(jnp.int32)]
+  out_shape = []
+  if return_stats:
+    sel_shape = (hkv, p.g, p.cx) if vote == "q" else (hkv, p.cx)
+    out_shape.append(jax.ShapeDtypeStruct(sel_shape, jnp.int32))
+  out_shape += [jax.ShapeDtypeStruct((hkv, p.n_prog, p.g, dp), jnp.float32),
+                jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32),
+                jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32)]
+  outs = pallas_call(
+      functools.partial(_attn_kernel, p=p, scale=scale, return_stats=return_stats),
+      backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      grid=(hkv, p.n_prog), out_shape=out_shape, name="clustered_attention",
+  )(*args)
+  o, m, l = outs[-3:]
+  out = _merge(o, m, l)[..., :d].reshape(hq, d).astype(q.dtype)
+  if not return_stats:
+    return out
+  sel = outs[0]
+  sel = (sel.reshape(hq, p.cx) if vote == "q" else sel)[:, :num_c] != 0
+  return out, sel, _rows_of_selection(sel, offsets, num_l)
+
+
+def _merge(o, m, l):
+  """Log-sum-exp merge over axis 1 of [Hkv, P, g, dp] partials -> [Hkv, g, dp] f32."""
+  mx = jnp.max(jnp.where(l > 0, m, cm.MASK_VALUE), axis=1, keepdims=True)
+  w = jnp.where(l > 0, jnp.exp(m - mx), 0.0)                           # [Hkv, P, g]
+  den = jnp.sum(w * l, axis=1)
+  num = jnp.sum(o * w[..., None], axis=1)
+  ok = den > 0
+  return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+
+
+def _clipped_offsets(offsets, num_l):
+  return jnp.clip(offsets, 0, num_l)
+
+
+def _counts(offsets, num_l):
+  off = _clipped_offsets(offsets, num_l)
+  return jnp.maximum(off[:, 1:] - off[:, :-1], 0).astype(jnp.int32)
+
+
+def _rows_of_selection(sel, offsets, num_l):
+  """sel [Hs, C] -> rows [Hs] int32: retrieved clustered rows + exact rows."""
+  hs = sel.shape[0]
+  hkv = offsets.shape[0]
+  kvh = jnp.arange(hs) // (hs // hkv)
+  cnt = _counts(offsets, num_l)[kvh]
+  exact = num_l - _clipped_offsets(offsets, num_l)[kvh, -1]
+  return (jnp.sum(jnp.where(sel, cnt, 0), axis=1) + exact).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Reference (plain jnp).
+# ----------------------------------------------------------------------------
+def _row_cluster(offsets, num_l):
+  """cid [Hkv, L]: cluster of each sorted row, C for the exact part, -1 for none."""
+  off = _clipped_offsets(offsets, num_l)
+  num_c = off.shape[1] - 1
+  r = jnp.arange(num_l, dtype=jnp.int32)
+  # rows in [off[c], off[c+1]) -> c (first such c: empty clusters are skipped)
+  cid = jax.vmap(lambda o: jnp.searchsorted(o[1:], r, side="right"))(off).astype(jnp.int32)
+  cid = jnp.minimum(cid, num_c)
+  return jnp.where(r[None, :] < off[:, :1], -1, cid)
+
+
+def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, *,
+               scale, vote):
+  """q [Hq, T, d] -> (o [Hq, T, d] in q.dtype, selected [Hs, C], rows [Hs])."""
+  hq, seq_len, d = q.shape
+  hkv, num_l, _ = k.shape
+  num_c = centroids.shape[1]
+  g = hq // hkv
+  counts = _counts(offsets, num_l)
+  sel, _ = centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote)
+  hs = sel.shape[0]
+  r = hq // hs
+  cid = _row_cluster(offsets, num_l)                                  # [Hkv, L]
+  sel_ext = jnp.concatenate([sel, jnp.ones((hs, 1), bool), jnp.zeros((hs, 1), bool)], axis=1)
+  kvh = jnp.arange(hs) // (hs // hkv)
+  vis = jnp.take_along_axis(sel_ext, jnp.where(cid < 0, num_c + 1, cid)[kvh], axis=1)  # [Hs, L]
+  vis_q = jnp.repeat(vis, r, axis=0).reshape(hkv, g, 1, num_l)        # per query head
+  used = jnp.any(vis.reshape(hkv, hs // hkv, num_l), axis=1)          # rows anyone reads
+  kf = jnp.where(used[..., None], k.astype(jnp.float32), 0.0)         # unread rows -> 0
+  vf = jnp.where(used[..., None], v.astype(jnp.float32), 0.0)
+  nvis = ((kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None]))   # [T, S]
+  slot_ok = (kv_pos_new >= 0)[None, :, None]
+  knf = jnp.where(slot_ok, k_new.astype(jnp.float32), 0.0)
+  vnf = jnp.where(slot_ok, v_new.astype(jnp.float32), 0.0)
+  qf = q.astype(jnp.float32).reshape(hkv, g, seq_len, d)
+  lf = scale * jnp.einsum("kgtd,knd->kgtn", qf, kf)
+  ln = scale * jnp.einsum("kgtd,ksd->kgts", qf, knf)
+  mf = jnp.broadcast_to(vis_q, lf.shape)
+  mn = jnp.broadcast_to(nvis[None, None], ln.shape)
+  lf = jnp.where(mf, lf, -jnp.inf)
+  ln = jnp.where(mn, ln, -jnp.inf)
+  mx = jnp.maximum(jnp.max(lf, axis=-1), jnp.max(ln, axis=-1, initial=-jnp.inf))
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)[..., None]
+  pf = jnp.where(mf, jnp.exp(lf - mx), 0.0)
+  pn = jnp.where(mn, jnp.exp(ln - mx), 0.0)
+  den = jnp.sum(pf, axis=-1) + jnp.sum(pn, axis=-1)
+  num = jnp.einsum("kgtn,knd->kgtd", pf, vf) + jnp.einsum("kgts,ksd->kgtd", pn, vnf)
+  ok = den > 0
+  out = jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+  out = out.reshape(hq, seq_len, d).astype(q.dtype)
+  return out, sel, _rows_of_selection(sel, offsets, num_l)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
+def clustered_decode_attention_reference(q, k_sorted, v_sorted, centroids, offsets, threshold,
+                                         k_new, v_new, q_pos, kv_pos_new, *, scale, vote="kv",
+                                         return_stats=False):
+  """Plain-jnp ``clustered_decode_attention``: score every cluster (Eq. 1), mask
+  the sorted rows by their cluster's selection, dense masked attention."""
+  o, sel, rows = _reference(q[:, None], k_sorted, v_sorted, centroids, offsets, threshold,
+                            k_new, v_new, q_pos, kv_pos_new, scale=scale, vote=vote)
+  return (o[:, 0], sel, rows) if return_stats else o[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
+def clustered_prefill_attention_reference(q, k_sorted, v_sorted, centroids, offsets, threshold,
+                                          k_new, v_new, q_pos, kv_pos_new, *, scale, vote="kv",
+                                          return_stats=False):
+  """Plain-jnp ``clustered_prefill_attention`` (S averaged over the T tokens)."""
+  o, sel, rows = _reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
+                            q_pos, kv_pos_new, scale=scale, vote=vote)
+  return (o, sel, rows) if return_stats else o
+
+
+# ----------------------------------------------------------------------------
+# Validation and public API.
+# ----------------------------------------------------------------------------
+def _validate(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, q_rank,
+              vote):
+  shapes = cm.shape_str(q=q, k_sorted=k, v_sorted=v, centroids=centroids, offsets=offsets,
+                        k_new=k_new, v_new=v_new, q_pos=q_pos, kv_pos_new=kv_pos_new)
+  if q.ndim != q_rank:
+    want = "[Hq, T, d]" if q_rank == 3 else "[Hq, d]"
+    raise ValueError(f"q must be {want}; got {shapes}")
+  if k.ndim != 3 or v.shape != k.shape:
+    raise ValueError(f"need k_sorted and v_sorted [Hkv, L, d]; got {shapes}")
+  hq, d = q.shape[0], q.shape[-1]
+  hkv, num_l, dk = k.shape
+  if dk != d or num_l < 1:
+    raise ValueError(f"head dims must match and L >= 1; got {shapes}")
+  cm.check_heads(hq, hkv, shapes)
+  if centroids.ndim != 3 or centroids.shape[0] != hkv or centroids.shape[2] != d \
+     or centroids.shape[1] < 1:
+    raise ValueError(f"need centroids [Hkv, C >= 1, d]; got {shapes}")
+  if offsets.shape != (hkv, centroids.shape[1] + 1):
+    raise ValueError(f"need offsets [Hkv, C + 1]; got {shapes}")
+  if (k_new.ndim != 3 or v_new.shape != k_new.shape or k_new.shape[0] != hkv
+      or k_new.shape[2] != d):
+    raise ValueError(f"need k_new and v_new [Hkv, S, d]; got {shapes}")
+  seq_len = 1 if q_rank == 2 else q.shape[1]
+  if q_rank == 3 and seq_len < 1:
+    raise ValueError(f"need at least one query token; got {shapes}")
+  if q_pos.shape != (seq_len,) or kv_pos_new.shape != (k_new.shape[1],):
+    want = "[1]" if q_rank == 2 else "[T]"
+    raise ValueError(f"need q_pos {want} and kv_pos_new [S]; got {shapes}")
+  if jnp.ndim(threshold) != 0:
+    raise ValueError(f"threshold must be a scalar, got shape {jnp.shape(threshold)}")
+  cm.check_float("q", q)
+  cm.check_same_dtype(q=q, k_sorted=k, v_sorted=v, centroids=centroids, k_new=k_new,
+                      v_new=v_new)
+  for name, x in (("offsets", offsets), ("q_pos", q_pos), ("kv_pos_new", kv_pos_new)):
+    cm.check_int32(name, x)
+  cm.check_vote(vote)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats", "backend",
+                                             "config"))
+def clustered_decode_attention(
+    q: jax.Array,            # [Hq, d]
+    k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids: jax.Array,    # [Hkv, C, d]
+    offsets: jax.Array,      # [Hkv, C + 1] int32 (rows [offsets[C], L) = exact part)
+    threshold: jax.Array,    # [] f32 (traced)
+    k_new: jax.Array,        # [Hkv, S, d]  user-input keys (S may be 0)
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [1] int32
+    kv_pos_new: jax.Array,   # [S] int32 (-1 = empty)
+    *,
+    scale: float,
+    vote: str = "kv",
+    return_stats: bool = False,
+    backend: str = "auto",
+    config: ClusteredConfig | None = None,
+):
+  """Squeezed decode over the cluster-contiguous layout (see the module docstring).
+
+  Returns o [Hq, d] in q's dtype; with ``return_stats`` also
+  ``selected [Hs, C] bool`` and ``rows [Hs] int32`` (retrieved clustered rows +
+  exact rows; the new part not included).  Two Pallas launches + a fused merge;
+  no capacity, no overflow, no host synchronisation.
+  """
+  _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
+            kv_pos_new, 2, vote)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return clustered_decode_attention_reference(
+        q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
+        scale=scale, vote=vote, return_stats=return_stats)
+  g = q.shape[0] // k_sorted.shape[0]
+  if vote == "q" and g > MAX_VOTE_Q_GROUP:
+    raise ValueError(f"vote='q' kernel supports at most {MAX_VOTE_Q_GROUP} query heads per KV "
+                     f"head, got {g}; use vote='kv' or backend='reference'")
+  return _decode_pallas(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
+                        q_pos, kv_pos_new, scale=scale, vote=vote, return_stats=return_stats,
+                        cfg=config or ClusteredConfig(), backend=be)
+
+
+def _expand_positions(sel, offsets, num_l, cap):
+  """Selected clusters' row ranges + the exact part -> positions [Hs, cap].
+
+  Returns (idx [Hs, cap] int32, n [Hs] = min(wanted, cap), wanted [Hs]).  O(C + cap)
+  per row: a marker at the output start of every non-empty range, a cumsum.
+  """
+  hs, num_c = sel.shape
+  hkv = offsets.shape[0]
+  off = _clipped_offsets(offsets, num_l)
+  kvh = jnp.arange(hs) // (hs // hkv)
+  starts_src = jnp.concatenate([off[:, :-1], off[:, -1:]], axis=1)[kvh]      # [Hs, C + 1]
+  sizes = jnp.concatenate([jnp.maximum(off[:, 1:] - off[:, :-1], 0),
+                           num_l - off[:, -1:]], axis=1)[kvh]
+  take = jnp.concatenate([sel, jnp.ones((hs, 1), bool)], axis=1)
+  sizes = jnp.where(take, sizes, 0)
+  ends = jnp.cumsum(sizes, axis=1)
+  starts = ends - sizes
+  wanted = ends[:, -1].astype(jnp.int32)
+  n = jnp.minimum(wanted, cap).astype(jnp.int32)
+  live = sizes > 0
+  nr = num_c + 1
+  rank = jnp.cumsum(live.astype(jnp.int32), axis=1) - 1
+  rid = jnp.arange(hs, dtype=jnp.int32)[:, None]
+  range_of = jnp.zeros((hs, nr), jnp.int32).at[rid, jnp.where(live, rank, nr)].set(
+      jnp.broadcast_to(jnp.arange(nr, dtype=jnp.int32), (hs, nr)), mode="drop")
+  mark = jnp.zeros((hs, cap), jnp.int32).at[
+      rid, jnp.where(live & (starts < cap), starts, cap)].add(1, mode="drop")
+  kth = jnp.maximum(jnp.cumsum(mark, axis=1) - 1, 0)
+  pr = jnp.take_along_axis(range_of, kth, axis=1)
+  j = jnp.arange(cap, dtype=jnp.int32)[None, :]
+  pos = jnp.take_along_axis(starts_src, pr, axis=1) + (j - jnp.take_along_axis(starts, pr, axis=1))
+  pos = jnp.where(j < n[:, None], pos, -1)
+  return pos.astype(jnp.int32), n, wanted
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "capacity", "return_stats",
+                                             "backend", "config"))
+def clustered_prefill_attention(
+    q: jax.Array,            # [Hq, T, d]
+    k_sorted: jax.Array,     # [Hkv, L, d]
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids: jax.Array,    # [Hkv, C, d]
+    offsets: jax.Array,      # [Hkv, C + 1] int32
+    threshold: jax.Array,    # [] f32 (traced)
+    k_new: jax.Array,        # [Hkv, S, d]
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [T] int32
+    kv_pos_new: jax.Array,   # [S] int32
+    *,
+    scale: float,
+    vote: str = "kv",
+    capacity: int | None = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+    config: CentroidLookupConfig | None = None,
+):
+  """Squeezed prefill over the cluster-contiguous layout: one selection per head
+  for the T-token block (Eq. 1 per token, mean over tokens, then over the group for
+  ``vote="kv"``), exact attention over selected rows + exact part + causal new part.
+
+  ``capacity`` (static): fixed-context rows per selection head gathered for the
+  dense attention (None = L, never overflows).  If a head wants more, the call
+  takes a ``lax.cond`` branch with capacity L (same result, slower): never
+  silently wrong.  With ``return_stats`` also ``selected [Hs, C]`` and
+  ``rows [Hs]`` (wanted rows: clustered + exact; > capacity = the slow branch ran).
+  """
+  _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
+            kv_pos_new, 3, vote)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+    raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+  if be == "reference":
+    return clustered_prefill_attention_reference(
+        q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
+        scale=scale, vote=vote, return_stats=return_stats)
+  num_l = k_sorted.shape[1]
+  cap = num_l if capacity is None else min(capacity, num_l)
+  counts = _counts(offsets, num_l)
+  sel, _ = centroid_lookup_prefill(q, centroids, counts, threshold, scale=scale, vote=vote,
+                                   backend=be, config=config)
+  # cuDNN takes bf16/f16 only: f32 goes through the in-kernel gather (same on "interpret",
+  # where gather_then_dense uses XLA's dense attention, so both routes are tested on CPU).
+  cudnn_ok = jnp.dtype(q.dtype) != jnp.dtype(jnp.float32)
+
+  def attend(c):
+    idx, n, _ = _expand_positions(sel, offsets, num_l, c)
+    if cudnn_ok:
+      return gather_then_dense_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos,
+                                         kv_pos_new, scale=scale, backend=be)
+    return sparse_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos, kv_pos_new,
+                            scale=scale, backend=be)
+
+  rows = _rows_of_selection(sel, offsets, num_l)
+  if cap >= num_l:
+    out = attend(num_l)
+  else:
+    out = lax.cond(jnp.any(rows > cap), lambda: attend(num_l), lambda: attend(cap))
+  return (out, sel, rows) if return_stats else out
+
+
+# ----------------------------------------------------------------------------
+# Offline layout.
+# ----------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("n_sink", "num_clusters"))
+def _sort_layout(k, v, labels, *, n_sink, num_clusters):
+  hkv, num_l, _ = k.shape
+  lc = labels.shape[1]
+  lab = labels.astype(jnp.int32)
+  ok = (lab >= 0) & (lab < num_clusters)
+  key = jnp.full((hkv, num_l), num_clusters, jnp.int32)           # exact part sorts last
+  key = key.at[:, n_sink:n_sink + lc].set(jnp.where(ok, lab, num_clusters))
+  perm = jnp.argsort(key, axis=1, stable=True).astype(jnp.int32)  # sorted row -> position
+  counts = jax.vmap(lambda x, o: jnp.zeros(num_clusters, jnp.int32).at[
+      jnp.where(o, x, num_clusters)].add(1, mode="drop"))(lab, ok)
+  offsets = jnp.concatenate([jnp.zeros((hkv, 1), jnp.int32), jnp.cumsum(counts, axis=1)],
+                            axis=1).astype(jnp.int32)
+  k_sorted = jnp.take_along_axis(k, perm[..., None], axis=1)
+  v_sorted = jnp.take_along_axis(v, perm[..., None], axis=1)
+  return k_sorted, v_sorted, offsets, perm
+
+
+def cluster_sort_layout(k, v, labels, n_sink: int, n_exact_tail: int, *,
+                        num_clusters: int | None = None):
+  """Builds the cluster-contiguous layout (offline, once per fixed context).
+
+  k, v [Hkv, L, d]; labels [Hkv, Lc] int: the cluster of each clustered key, the
+  clustered keys being positions ``n_sink .. n_sink + Lc - 1`` (so
+  ``L = n_sink + Lc + n_exact_tail``).  Labels outside ``[0, num_clusters)`` put
+  that key in the exact part (always attended; never dropped).  ``num_clusters``
+  defaults to ``max(labels) + 1`` (needs concrete labels).
+
+  Returns ``(k_sorted, v_sorted, offsets [Hkv, C + 1] int32, perm [Hkv, L] int32)``:
+  sorted row ``i`` of head ``h`` is original position ``perm[h, i]``; clusters in
+  order ``0..C-1``, each in position order, then the exact part (sink, unlabelled
+  keys, tail, in position order).
+  """
+  if k.ndim != 3 or v.shape != k.shape or labels.ndim != 2 or labels.shape[0] != k.shape[0]:
+    raise ValueError("need k, v [Hkv, L, d] and labels [Hkv, Lc]; got "
+                     + cm.shape_str(k=k, v=v, labels=labels))
+  n_sink, n_exact_tail = int(n_sink), int(n_exact_tail)
+  if n_sink < 0 or n_exact_tail < 0 or n_sink + labels.shape[1] + n_exact_tail != k.shape[1]:
+    raise ValueError(f"need n_sink + Lc + n_exact_tail == L, got {n_sink} + {labels.shape[1]} "
+                     f"+ {n_exact_tail} != {k.shape[1]}")
+  if num_clusters is None:
+    try:
+      lab = np.asarray(labels)
+    except Exception as e:  # noqa: BLE001 - traced labels
+      raise ValueError("num_clusters is required when labels are traced") from e
+    num_clusters = int(lab.max()) + 1 if lab.size else 1
+  if not isinstance(num_clusters, int) or num_clusters < 1:
+    raise ValueError(f"num_clusters must be a positive int, got {num_clusters!r}")
+  return _sort_layout(k, v, jnp.asarray(labels), n_sink=n_sink, num_clusters=num_clusters)

@@ -1,0 +1,577 @@
+"""Clustered Squeezed attention over the cluster-contiguous layout.
+
+Interpret-mode kernels vs the plain-jnp references, the references vs an
+independent numpy brute force (float64 loops over explicit row sets), the layout
+helper, the Triton lowering at Llama-3-8B shapes (with the MLIR verifier that
+catches loop-bound type mismatches), and the GPU script's clustered checks.
+"""
+import os
+import random
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _dispatch
+from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
+                                                clustered_decode_attention,
+                                                clustered_decode_attention_reference,
+                                                clustered_prefill_attention,
+                                                clustered_prefill_attention_reference)
+
+RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
+BF = jnp.bfloat16
+# Small tiles so the test shapes exercise several programs, sub-blocks, tiles per
+# cluster (clusters bigger than block_k), new-part chunks and exact-part programs.
+SMALL = ClusteredConfig(block_c=16, block_clusters=32, sub_clusters=16, block_k=16,
+                        chunk_new=16, exact_programs=2)
+
+
+@pytest.fixture
+def rng(request):
+  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
+  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
+  return np.random.default_rng(seed)
+
+
+# ----------------------------------------------------------------------------
+# Inputs and numpy brute force.
+# ----------------------------------------------------------------------------
+def synth_labels(rng, hkv, n, num_c, *, empty_frac=0.2, unlabelled=0.0):
+  """Skewed cluster sizes: lognormal weights, some clusters empty, one ~20x bigger."""
+  labels = []
+  for _ in range(hkv):
+    w = np.exp(1.2 * rng.normal(size=num_c))
+    w[rng.random(num_c) < empty_frac] = 0.0
+    w[rng.integers(num_c)] = 20.0 * w.max() + 1.0
+    lab = rng.choice(num_c, size=n, p=w / w.sum())
+    lab[rng.random(n) < unlabelled] = -1                       # -> exact part
+    labels.append(lab)
+  return np.stack(labels).astype(np.int32)
+
+
+def make_case(rng, *, hq=8, hkv=2, num_c=37, n_sink=3, n_clustered=280, n_tail=13, d=32,
+              num_s=20, seq_len=1, dtype=jnp.float32, unlabelled=0.02):
+  num_l = n_sink + n_clustered + n_tail
+  labels = synth_labels(rng, hkv, n_clustered, num_c, unlabelled=unlabelled)
+  k = rng.normal(size=(hkv, num_l, d))
+  v = rng.normal(size=(hkv, num_l, d))
+  ks, vs, offs, perm = cluster_sort_layout(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                           jnp.asarray(labels), n_sink, n_tail,
+                                           num_clusters=num_c)
+  counts = np.diff(np.asarray(offs), axis=1)
+  cent = rng.normal(size=(hkv, num_c, d))
+  cent[counts == 0] = np.nan                                   # never read
+  q = rng.normal(size=(hq, seq_len, d))
+  kn = rng.normal(size=(hkv, num_s, d))
+  vn = rng.normal(size=(hkv, num_s, d))
+  kvp = num_l + np.arange(num_s)
+  empty = rng.random(num_s) < 0.25
+  kvp[empty] = -1                                              # padding slots
+  kn[:, empty] = np.nan                                        # never read
+  vn[:, empty] = np.nan
+  qp = num_l + num_s - seq_len - 2 + np.arange(seq_len)       # last 2 new keys are future
+  x = dict(q=jnp.asarray(q if seq_len > 1 else q[:, 0], dtype), k=ks, v=vs,
+           cent=jnp.asarray(cent, dtype), offs=offs, kn=jnp.asarray(kn, dtype),
+           vn=jnp.asarray(vn, dtype), qp=jnp.asarray(qp, jnp.int32),
+           kvp=jnp.asarray(kvp, jnp.int32))
+  meta = dict(k_orig=k, v_orig=v, labels=labels, perm=np.asarray(perm), counts=counts,
+              n_sink=n_sink, n_tail=n_tail, num_l=num_l, d=d)
+  return x, meta
+
+
+def args_of(x, thr):
+  return (x["q"], x["k"], x["v"], x["cent"], x["offs"], jnp.float32(thr), x["kn"], x["vn"],
+          x["qp"], x["kvp"])
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def np_scores(q, cent, counts, scale, vote):
+  """Eq. 1 in float64: per token normalised, mean over tokens, then over the group."""
+  q = f64(q)
+  if q.ndim == 2:
+    q = q[:, None]
+  cent = f64(cent)
+  hq, seq_len, _ = q.shape
+  hkv, num_c = counts.shape
+  g = hq // hkv
+  s = np.zeros((hq, num_c))
+  for h in range(hq):
+    kv = h // g
+    ok = counts[kv] > 0
+    if not ok.any():
+      continue
+    for t in range(seq_len):
+      logit = np.full(num_c, -np.inf)
+      logit[ok] = scale * (cent[kv, ok] @ q[h, t])
+      e = np.exp(logit - logit[ok].max())
+      s[h] += e / np.sum(counts[kv] * e) / seq_len
+  if vote == "kv":
+    s = s.reshape(hkv, g, num_c).mean(axis=1)
+  return s
+
+
+def brute(x, thr, scale, vote):
+  """float64 loops over explicit row sets -> (o [Hq, T, d], selected [Hs, C], rows [Hs])."""
+  q = f64(x["q"])
+  if q.ndim == 2:
+    q = q[:, None]
+  ks, vs, kn, vn = (f64(x[n]) for n in ("k", "v", "kn", "vn"))
+  offs = np.asarray(x["offs"])
+  qp, kvp = np.asarray(x["qp"]), np.asarray(x["kvp"])
+  hq, seq_len, d = q.shape
+  hkv, num_l, _ = ks.shape
+  counts = np.diff(offs, axis=1)
+  s = np_scores(x["q"], x["cent"], counts, scale, vote)
+  sel = (s > thr) & np.repeat(counts > 0, s.shape[0] // hkv, axis=0)
+  hs = sel.shape[0]
+  g, r = hq // hkv, hq // hs
+  o = np.zeros((hq, seq_len, d))
+  rows = np.zeros(hs, np.int64)
+  for sh in range(hs):
+    kv = sh * r // g
+    idx = [i for c in np.nonzero(sel[sh])[0] for i in range(offs[kv, c], offs[kv, c + 1])]
+    idx += list(range(offs[kv, -1], num_l))
+    rows[sh] = len(idx)
+    for h in range(sh * r, (sh + 1) * r):
+      for t in range(seq_len):
+        keys = [ks[kv, i] for i in idx]
+        vals = [vs[kv, i] for i in idx]
+        for j in range(kn.shape[1]):
+          if 0 <= kvp[j] <= qp[t]:
+            keys.append(kn[kv, j])
+            vals.append(vn[kv, j])
+        if not keys:
+          continue
+        logit = scale * np.array([q[h, t] @ kk for kk in keys])
+        p = np.exp(logit - logit.max())
+        o[h, t] = (p[:, None] * np.array(vals)).sum(0) / p.sum()
+  return o, sel, rows
+
+
+def pick_threshold(scores, valid, frac=0.5, lo_q=0.25, hi_q=0.75):
+  """Midpoint of the widest relative gap between consecutive valid scores in a quantile
+  window around ``1 - frac``: no score sits near it, so rounding never flips a cluster."""
+  s = np.sort(scores[valid].reshape(-1))
+  a = int(lo_q * (len(s) - 1))
+  b = max(int(hi_q * (len(s) - 1)), a + 1)
+  lo, hi = s[a:b], s[a + 1:b + 1]
+  i = int(np.argmax((hi - lo) / np.maximum(np.abs(hi), 1e-300)))
+  assert (hi[i] - lo[i]) / hi[i] > 1e-3, "no usable gap"
+  return float(0.5 * (lo[i] + hi[i]))
+
+
+def threshold_for(x, meta, scale, vote, **kw):
+  if vote == "q":      # per-head sets: select fewer so the group's union leaves rows out
+    kw = {"lo_q": 0.75, "hi_q": 0.95, **kw}
+  s = np_scores(x["q"], x["cent"], meta["counts"], scale, vote)
+  valid = np.repeat(meta["counts"] > 0, s.shape[0] // meta["counts"].shape[0], axis=0)
+  return pick_threshold(s, valid, **kw)
+
+
+def poison_unselected(x, meta, sel):
+  """NaN in every sorted row that no selection head of the group retrieves."""
+  offs = np.asarray(x["offs"])
+  hkv = offs.shape[0]
+  r = sel.shape[0] // hkv
+  used = np.zeros((hkv, meta["num_l"]), bool)
+  for sh in range(sel.shape[0]):
+    kv = sh // r
+    used[kv, offs[kv, -1]:] = True
+    for c in np.nonzero(sel[sh])[0]:
+      used[kv, offs[kv, c]:offs[kv, c + 1]] = True
+  assert (~used).any()
+  m = jnp.asarray(used)[..., None]
+  dt = x["k"].dtype
+  return dict(x, k=jnp.where(m, x["k"], jnp.nan).astype(dt),
+              v=jnp.where(m, x["v"], jnp.nan).astype(dt))
+
+
+def rel(a, b):
+  a, b = f64(a), f64(b)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# ----------------------------------------------------------------------------
+# Layout.
+# ----------------------------------------------------------------------------
+def test_cluster_sort_layout(rng):
+  hkv, n_sink, lc, n_tail, num_c, d = 3, 4, 200, 9, 23, 8
+  labels = synth_labels(rng, hkv, lc, num_c, unlabelled=0.05)
+  labels[0, :3] = num_c + 5                                    # out of range -> exact part
+  k = rng.normal(size=(hkv, n_sink + lc + n_tail, d)).astype(np.float32)
+  v = rng.normal(size=k.shape).astype(np.float32)
+  ks, vs, offs, perm = cluster_sort_layout(jnp.asarray(k), jnp.asarray(v), jnp.asarray(labels),
+                                           n_sink, n_tail, num_clusters=num_c)
+  ks, vs, offs, perm = map(np.asarray, (ks, vs, offs, perm))
+  assert offs.shape == (hkv, num_c + 1) and offs.dtype == np.int32
+  for h in range(hkv):
+    assert sorted(perm[h]) == list(range(k.shape[1]))
+    np.testing.assert_array_equal(ks[h], k[h, perm[h]])
+    np.testing.assert_array_equal(vs[h], v[h, perm[h]])
+    lab = labels[h]
+    ok = (lab >= 0) & (lab < num_c)
+    np.testing.assert_array_equal(np.diff(offs[h]), np.bincount(lab[ok], minlength=num_c))
+    assert offs[h, 0] == 0
+    for c in range(num_c):
+      pos = perm[h, offs[h, c]:offs[h, c + 1]]
+      assert list(pos) == sorted(n_sink + np.nonzero(lab == c)[0])
+    exact = perm[h, offs[h, -1]:]
+    want = sorted(list(range(n_sink)) + list(n_sink + np.nonzero(~ok)[0])
+                  + list(range(n_sink + lc, n_sink + lc + n_tail)))
+    assert list(exact) == want
+  # num_clusters inferred from concrete labels
+  _, _, offs2, _ = cluster_sort_layout(jnp.asarray(k), jnp.asarray(v),
+                                       jnp.asarray(np.abs(labels) % num_c), n_sink, n_tail)
+  assert offs2.shape[1] == int((np.abs(labels) % num_c).max()) + 2
+  with pytest.raises(ValueError, match="n_sink"):
+    cluster_sort_layout(jnp.asarray(k), jnp.asarray(v), jnp.asarray(labels), n_sink, n_tail + 1,
+                        num_clusters=num_c)
+
+
+# ----------------------------------------------------------------------------
+# Decode.
+# ----------------------------------------------------------------------------
+DECODE_CASES = [  # hq, hkv, vote, dtype, d
+    (8, 2, "kv", jnp.float32, 32),
+    (8, 2, "q", jnp.float32, 24),      # head dim padded to 32 inside the kernels
+    (3, 3, "kv", jnp.float32, 32),     # 1:1
+    (8, 2, "q", BF, 32),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype,d", DECODE_CASES)
+def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d):
+  scale = d ** -0.5
+  x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
+  thr = threshold_for(x, meta, scale, vote)
+  _, sel_np, rows_np = brute(x, thr, scale, vote)
+  assert sel_np.any() and not sel_np[meta["counts"].repeat(sel_np.shape[0] // hkv, 0) > 0].all()
+  big = [c for c in range(meta["counts"].shape[1]) if meta["counts"][0, c] > SMALL.block_k]
+  assert big, "need clusters larger than the row tile"
+  x = poison_unselected(x, meta, sel_np)
+  args = args_of(x, thr)
+  out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=True,
+                                              backend="interpret", config=SMALL)
+  ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
+                                                          return_stats=True)
+  assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
+  assert not np.isnan(f64(out)).any() and not np.isnan(f64(ref)).any()
+  np.testing.assert_array_equal(np.asarray(sel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rsel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rows), rows_np)
+  np.testing.assert_array_equal(np.asarray(rrows), rows_np)
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  assert rel(out, ref) < tol
+
+
+@pytest.mark.parametrize("vote,seq_len", [("kv", 1), ("q", 1), ("kv", 5), ("q", 4)])
+def test_reference_matches_bruteforce(rng, vote, seq_len):
+  d = 16
+  scale = d ** -0.5
+  x, meta = make_case(rng, hq=4, hkv=2, num_c=13, n_clustered=90, n_tail=5, d=d, num_s=9,
+                      seq_len=seq_len)
+  thr = threshold_for(x, meta, scale, vote)
+  o_np, sel_np, rows_np = brute(x, thr, scale, vote)
+  x = poison_unselected(x, meta, sel_np)
+  fn = (clustered_decode_attention_reference if seq_len == 1
+        else clustered_prefill_attention_reference)
+  with jax.default_matmul_precision("highest"):
+    out, sel, rows = fn(*args_of(x, thr), scale=scale, vote=vote, return_stats=True)
+  out = f64(out).reshape(o_np.shape)
+  assert rel(out, o_np) < 1e-5
+  np.testing.assert_array_equal(np.asarray(sel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rows), rows_np)
+
+
+def dense_numpy(q, k, v, kn, vn, qp, kvp, scale):
+  """Attention over every fixed row (original order) + visible new keys, float64."""
+  hq, d = q.shape
+  hkv = k.shape[0]
+  g = hq // hkv
+  out = np.zeros((hq, d))
+  vis = (kvp >= 0) & (kvp <= qp[0])
+  for h in range(hq):
+    keys = np.concatenate([k[h // g], kn[h // g][vis]])
+    vals = np.concatenate([v[h // g], vn[h // g][vis]])
+    lg = scale * keys @ q[h]
+    p = np.exp(lg - lg.max())
+    out[h] = p @ vals / p.sum()
+  return out
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_threshold_selecting_everything_is_dense_attention(rng, vote):
+  d = 32
+  scale = d ** -0.5
+  x, meta = make_case(rng, d=d)
+  out, sel, rows = clustered_decode_attention(*args_of(x, -1.0), scale=scale, vote=vote,
+                                              return_stats=True, backend="interpret",
+                                              config=SMALL)
+  want = dense_numpy(f64(x["q"]), meta["k_orig"], meta["v_orig"], f64(x["kn"]), f64(x["vn"]),
+                     np.asarray(x["qp"]), np.asarray(x["kvp"]), scale)
+  assert rel(out, want) <= 1e-5
+  r = np.asarray(sel).shape[0] // meta["counts"].shape[0]
+  np.testing.assert_array_equal(np.asarray(sel), np.repeat(meta["counts"] > 0, r, axis=0))
+  assert (np.asarray(rows) == meta["num_l"]).all()
+
+
+def test_threshold_selecting_nothing_keeps_the_exact_part(rng):
+  d = 32
+  scale = d ** -0.5
+  x, meta = make_case(rng, d=d, unlabelled=0.05)
+  x = poison_unselected(x, meta, np.zeros((2, meta["counts"].shape[1]), bool))
+  out, sel, rows = clustered_decode_attention(*args_of(x, 1e30), scale=scale,
+                                              return_stats=True, backend="interpret",
+                                              config=SMALL)
+  assert not np.asarray(sel).any()
+  offs = np.asarray(x["offs"])
+  np.testing.assert_array_equal(np.asarray(rows), meta["num_l"] - offs[:, -1])
+  # exact part = sink + unlabelled + tail, in original positions
+  perm = meta["perm"]
+  q = f64(x["q"])
+  kn, vn, kvp, qp = f64(x["kn"]), f64(x["vn"]), np.asarray(x["kvp"]), np.asarray(x["qp"])
+  want = np.zeros_like(q)
+  for h in range(q.shape[0]):
+    kv = h // 4
+    pos = perm[kv, offs[kv, -1]:]
+    vis = (kvp >= 0) & (kvp <= qp[0])
+    keys = np.concatenate([meta["k_orig"][kv, pos], kn[kv][vis]])
+    vals = np.concatenate([meta["v_orig"][kv, pos], vn[kv][vis]])
+    lg = scale * keys @ q[h]
+    p = np.exp(lg - lg.max())
+    want[h] = p @ vals / p.sum()
+  assert rel(out, want) <= 1e-5
+
+
+def test_nothing_visible_gives_zero_not_nan(rng):
+  d = 16
+  # no exact part (no sink, no tail), nothing selected; new part all empty / in the future
+  x, meta = make_case(rng, hq=4, hkv=2, num_c=11, n_sink=0, n_clustered=60, n_tail=0, d=d,
+                      num_s=5, unlabelled=0.0)
+  x["kvp"] = jnp.asarray([-1, -1, 10**6, -1, 10**6], jnp.int32)
+  x["kn"] = jnp.where(x["kvp"][None, :, None] < 0, jnp.nan, x["kn"])
+  out = clustered_decode_attention(*args_of(x, 1e30), scale=d ** -0.5, backend="interpret",
+                                   config=SMALL)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  # one KV head with no valid cluster at all, S = 0, selection of everything
+  x["offs"] = x["offs"].at[1].set(60)
+  x["k"] = x["k"].at[1].set(jnp.nan)
+  x["v"] = x["v"].at[1].set(jnp.nan)
+  x["kn"], x["vn"] = x["kn"][:, :0], x["vn"][:, :0]
+  x["kvp"] = x["kvp"][:0]
+  out, sel, rows = clustered_decode_attention(*args_of(x, -1.0), scale=d ** -0.5,
+                                              return_stats=True, backend="interpret",
+                                              config=SMALL)
+  ref = clustered_decode_attention_reference(*args_of(x, -1.0), scale=d ** -0.5)
+  np.testing.assert_array_equal(np.asarray(out[2:]), 0.0)
+  assert not np.asarray(sel)[1].any() and int(rows[1]) == 0 and int(rows[0]) == 60
+  assert rel(out, ref) < 2e-5
+
+
+def test_random_shapes(rng):
+  """One fresh random shape/config draw per run."""
+  hkv = int(rng.integers(1, 3))
+  g = int(rng.choice([1, 2, 4]))
+  num_c = int(rng.integers(3, 60))
+  n_cl = int(rng.integers(num_c, 300))
+  d = int(rng.choice([16, 24, 32]))
+  vote = str(rng.choice(["kv", "q"]))
+  cfg = ClusteredConfig(block_c=int(rng.choice([16, 32])), sub_clusters=16,
+                        block_clusters=int(rng.choice([16, 32, 48])),
+                        block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)))
+  print(dict(hkv=hkv, g=g, num_c=num_c, n_cl=n_cl, d=d, vote=vote, cfg=cfg))
+  x, meta = make_case(rng, hq=hkv * g, hkv=hkv, num_c=num_c, n_sink=int(rng.integers(0, 5)),
+                      n_clustered=n_cl, n_tail=int(rng.integers(0, 20)), d=d,
+                      num_s=int(rng.integers(0, 40)))
+  thr = float(rng.choice([-1.0, 1e30, 1.0 / num_c / 2]))
+  args = args_of(x, thr)
+  out, sel, rows = clustered_decode_attention(*args, scale=d ** -0.5, vote=vote,
+                                              return_stats=True, backend="interpret", config=cfg)
+  ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=d ** -0.5, vote=vote,
+                                                          return_stats=True)
+  # a cluster whose score is within rounding of the threshold may flip: compare the rest
+  s = np_scores(x["q"], x["cent"], meta["counts"], d ** -0.5, vote)
+  if np.any(np.abs(s - thr) < 1e-5 * max(abs(thr), 1e-30)):
+    pytest.skip("a score sits on the threshold")
+  np.testing.assert_array_equal(np.asarray(sel), np.asarray(rsel))
+  np.testing.assert_array_equal(np.asarray(rows), np.asarray(rrows))
+  assert rel(out, ref) < 2e-5
+
+
+# ----------------------------------------------------------------------------
+# Prefill.
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("vote,dtype,capacity", [
+    ("kv", jnp.float32, None),        # f32: in-kernel gather (sparse_attention)
+    ("q", jnp.float32, "small"),      # capacity too small for some head -> exact fallback
+    ("kv", BF, 200),                  # bf16: gather + dense (cuDNN on GPU, XLA here)
+])
+def test_prefill_interpret_matches_reference(rng, vote, dtype, capacity):
+  d, seq_len = 32, 6
+  scale = d ** -0.5
+  x, meta = make_case(rng, d=d, seq_len=seq_len, num_s=12, dtype=dtype)
+  thr = threshold_for(x, meta, scale, vote)
+  _, sel_np, rows_np = brute(x, thr, scale, vote)
+  x = poison_unselected(x, meta, sel_np)
+  args = args_of(x, thr)
+  if capacity == "small":
+    capacity = int(np.median(rows_np))
+    assert (rows_np > capacity).any()                          # the fallback branch runs
+  out, sel, rows = clustered_prefill_attention(*args, scale=scale, vote=vote, capacity=capacity,
+                                               return_stats=True, backend="interpret")
+  ref = clustered_prefill_attention_reference(*args, scale=scale, vote=vote)
+  assert out.shape == x["q"].shape and out.dtype == x["q"].dtype
+  assert not np.isnan(f64(out)).any()
+  np.testing.assert_array_equal(np.asarray(sel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rows), rows_np)
+  assert rel(out, ref) < (2e-5 if dtype == jnp.float32 else 3e-2)
+
+
+# ----------------------------------------------------------------------------
+# Dispatch and validation.
+# ----------------------------------------------------------------------------
+def test_auto_is_reference_on_cpu(rng):
+  x, meta = make_case(rng, hq=4, hkv=2, num_c=9, n_clustered=50, n_tail=3, d=16, num_s=4)
+  args = args_of(x, 0.01)
+  out = clustered_decode_attention(*args, scale=0.25)
+  np.testing.assert_array_equal(np.asarray(out),
+                                np.asarray(clustered_decode_attention_reference(*args, scale=0.25)))
+  with pytest.raises(ValueError, match="needs a GPU"):
+    clustered_decode_attention(*args, scale=0.25, backend="pallas")
+
+
+def test_validation_errors(rng):
+  x, meta = make_case(rng, hq=4, hkv=2, num_c=9, n_clustered=50, n_tail=3, d=16, num_s=4)
+  a = list(args_of(x, 0.01))
+
+  def call(i, val, fn=clustered_decode_attention, **kw):
+    b = list(a)
+    if i is not None:
+      b[i] = val
+    return fn(*b, **{"scale": 0.25, "backend": "interpret", **kw})
+
+  with pytest.raises(ValueError, match="q must be"):
+    call(0, a[0][:, None])
+  with pytest.raises(ValueError, match="k_sorted"):
+    call(1, a[1][:, :10])
+  with pytest.raises(ValueError, match="offsets"):
+    call(4, a[4][:, :-1])
+  with pytest.raises(ValueError, match="int32"):
+    call(4, a[4].astype(jnp.float32))
+  with pytest.raises(ValueError, match="dtypes must match"):
+    call(3, a[3].astype(BF))
+  with pytest.raises(ValueError, match="threshold"):
+    call(5, jnp.zeros((2,), jnp.float32))
+  with pytest.raises(ValueError, match="q_pos"):
+    call(8, jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match="vote"):
+    call(None, None, vote="max")
+  with pytest.raises(ValueError, match="scale"):
+    call(None, None, scale=None)
+  with pytest.raises(ValueError, match="capacity"):
+    call(0, a[0][:, None], fn=clustered_prefill_attention, capacity=0)
+  with pytest.raises(ValueError, match="block_clusters"):
+    ClusteredConfig(block_clusters=24, sub_clusters=16)
+  with pytest.raises(ValueError, match="block_k"):
+    ClusteredConfig(block_k=24)
+  with pytest.raises(ValueError, match="exact_programs"):
+    ClusteredConfig(exact_programs=0)
+
+
+# ----------------------------------------------------------------------------
+# Triton lowering at Llama-3-8B shapes (no GPU needed).
+# ----------------------------------------------------------------------------
+HQ, HKV, D = 32, 8, 128
+
+
+@pytest.fixture
+def fake_h100(monkeypatch):
+  """Pretends to be an H100 and runs the MLIR verifier on every Triton module (this is
+  what rejected ``fori_loop(0, jnp.where(c, python_int, 0))`` on the H200)."""
+  from jax._src.pallas.triton import gpu_info, lowering
+  from jax._src.pallas.triton import pallas_call_registration as registration
+  monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100))
+  orig = lowering.lower_jaxpr_to_triton_module
+  verified = []
+
+  def verify(*args, **kwargs):
+    res = orig(*args, **kwargs)
+    res.module.operation.verify()          # raises MLIRError on an invalid module
+    verified.append(1)
+    return res
+  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", verify)
+  return verified
+
+
+def sds(shape, dtype=BF):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _lower(fn, *args):
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+  return text
+
+
+@pytest.mark.parametrize("vote,return_stats,dtype,num_l,num_c,num_s", [
+    ("kv", False, BF, 131072, 6554, 1024),
+    ("q", True, BF, 131072, 6554, 1024),
+    ("kv", True, BF, 524288, 26214, 0),
+    ("kv", False, jnp.float32, 4096, 205, 64),
+])
+def test_decode_lowers(fake_h100, vote, return_stats, dtype, num_l, num_c, num_s):
+  _lower(lambda *a: clustered_decode_attention(*a, scale=D ** -0.5, vote=vote,
+                                               return_stats=return_stats, backend="pallas"),
+         sds((HQ, D), dtype), sds((HKV, num_l, D), dtype), sds((HKV, num_l, D), dtype),
+         sds((HKV, num_c, D), dtype), sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32),
+         sds((HKV, num_s, D), dtype), sds((HKV, num_s, D), dtype), sds((1,), jnp.int32),
+         sds((num_s,), jnp.int32))
+  assert len(fake_h100) == 2                       # scoring + attention kernels
+
+
+@pytest.mark.parametrize("cfg", [
+    ClusteredConfig(block_clusters=256, sub_clusters=256),
+    ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
+    ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
+])
+def test_decode_configs_lower(fake_h100, cfg):
+  num_l, num_c, num_s = 131072, 6554, 1024
+  _lower(lambda *a: clustered_decode_attention(*a, scale=D ** -0.5, backend="pallas",
+                                               config=cfg),
+         sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c, D)),
+         sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32), sds((HKV, num_s, D)),
+         sds((HKV, num_s, D)), sds((1,), jnp.int32), sds((num_s,), jnp.int32))
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_prefill_lowers(fake_h100, vote):
+  """f32 prefill: lookup kernels + in-kernel gather (the bf16 route's cuDNN call needs
+  a GPU to lower)."""
+  num_l, num_c, t = 4096, 205, 100
+  f = jnp.float32
+  _lower(lambda *a: clustered_prefill_attention(*a, scale=D ** -0.5, vote=vote, capacity=1024,
+                                                backend="pallas"),
+         sds((HQ, t, D), f), sds((HKV, num_l, D), f), sds((HKV, num_l, D), f),
+         sds((HKV, num_c, D), f), sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32),
+         sds((HKV, t, D), f), sds((HKV, t, D), f), sds((t,), jnp.int32), sds((t,), jnp.int32))
+  assert len(fake_h100) >= 3
+
+
+# ----------------------------------------------------------------------------
+# The GPU script's clustered checks (plumbing, tiny shapes, interpret mode).
+# ----------------------------------------------------------------------------
+def test_gpu_script_clustered_checks():
+  from benchmarks import gpu_kernels
+  plan = gpu_kernels.Plan(backend="interpret", dense_impl="xla", checks="smoke",
+                          check_scale="tiny")
+  res = gpu_kernels.run_clustered_checks(plan, lambda m: None)
+  assert len(res) == 2
+  assert all(c["status"] == "PASS" for c in res), res
