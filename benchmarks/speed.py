@@ -348,7 +348,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     for name, m, idx in (("squeezed", method, index), ("full", Full(), None)):
         try:
             hook = SparseAttentionHook(m, inv, backend=plan.backend)
-            ttft, tpot = run(hook, attention_state(data.k, data.v, idx))
+            ttft, tpot = run(hook, attention_state(data.k, data.v, idx, clustered_layout=name == "squeezed"))
             out[name] = {"ttft_s": ttft, "ms_per_token": 1e3 * tpot, "tokens_per_s": 1.0 / tpot}
             log(f"[e2e] {name}: TTFT {ttft * 1e3:.1f} ms ({n_prompt} tokens), {1e3 * tpot:.2f} ms/token")
         except Exception as e:  # noqa: BLE001

@@ -79,3 +79,21 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
                                            scale=scale, backend=b)
     return sparse_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
                             scale=scale, backend=b)
+
+
+def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
+                     scale: float, vote: str):
+    """One-token Squeezed attention over the cluster-contiguous layout (fused kernel), or None.
+
+    None (use the generic path) unless the backend is a Pallas one: the kernel scores the
+    centroids, attends to the selected clusters' contiguous row ranges plus the exact part
+    and the new keys, and merges — three launches, no index list, no capacity.
+    """
+    b = resolved()
+    if b == "reference":
+        return None
+    from pallas_kernels import clustered_decode_attention
+
+    o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(k_sorted.dtype), offsets,
+                                   threshold, k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
+    return o[:, None]

@@ -66,6 +66,13 @@ class SparseAttentionHook:
         def one(qb, qpre_b, ckb, cvb, qpb, kpb):
             qh = jnp.swapaxes(qb, 0, 1)  # [Hq, T, d]
             qpre_h = None if qpre_b is None else jnp.swapaxes(qpre_b, 0, 1)
+            if "clustered" in state and qh.shape[1] == 1 and layer >= self.method.dense_layers:
+                ks, vs, off = state["clustered"][layer]
+                idx = state["index"]
+                o = dispatch.clustered_decode(qh, ks, vs, idx.layer(layer).centroids, off, idx.threshold,
+                                              ckb, cvb, qpb, kpb, scale, self.method.vote)
+                if o is not None:
+                    return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks
             sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=q_valid)
             o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale)
@@ -81,9 +88,20 @@ def _log_softmax_rows(logits, targets):
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
-def attention_state(k: jax.Array, v: jax.Array, index) -> dict:
-    """The hook's attn_state: per-layer fixed K/V [Hkv, L, d] tuples and the method index."""
-    return {"k": tuple(k[i] for i in range(k.shape[0])), "v": tuple(v[i] for i in range(v.shape[0])), "index": index}
+def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool = False) -> dict:
+    """The hook's attn_state: per-layer fixed K/V [Hkv, L, d] tuples and the method index.
+
+    clustered_layout (1-level Squeezed, GPU decode): also the cluster-contiguous copy of each
+    layer's K/V and its offsets, read by the fused clustered decode kernel (`sqjax.dispatch`).
+    """
+    state = {"k": tuple(k[i] for i in range(k.shape[0])), "v": tuple(v[i] for i in range(v.shape[0])), "index": index}
+    if clustered_layout:
+        from pallas_kernels import cluster_sort_layout
+
+        sorted_kv = [cluster_sort_layout(k[i], v[i], index.layers.labels[i], index.n_sink, index.n_tail,
+                                         num_clusters=index.layers.counts.shape[-1]) for i in range(k.shape[0])]
+        state["clustered"] = tuple((ks, vs, off) for ks, vs, off, _ in sorted_kv)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +175,9 @@ class FixedContext:
         self._hook = SparseAttentionHook(
             method, tuple(float(x) for x in _inv_freq(cfg)), needs_q_pre=isinstance(method, Saap)
         )
-        self._state = attention_state(data.k, data.v, index)
+        # on GPU, 1-level Squeezed decodes through the fused kernel over a cluster-contiguous copy
+        fused = type(method).__name__ == "Squeezed" and jax.default_backend() == "gpu"
+        self._state = attention_state(data.k, data.v, index, clustered_layout=fused)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
