@@ -79,7 +79,11 @@ class SparseAttentionHook:
             return jnp.swapaxes(o, 0, 1)
 
         with dispatch.using(self.backend):
-            return jax.vmap(one)(q, q_pre, cache_k, cache_v, q_pos, kv_pos)
+            # a Python loop over the (small) batch, not vmap: cuDNN attention's batching rule
+            # rejects the masks of the gathered prefill path (seen on H200)
+            rows = [one(q[b], None if q_pre is None else q_pre[b], cache_k[b], cache_v[b], q_pos[b], kv_pos[b])
+                    for b in range(q.shape[0])]
+            return jnp.stack(rows)
 
 
 @jax.jit

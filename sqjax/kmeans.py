@@ -29,13 +29,16 @@ class KMeansConfig:
     n_clusters: number of centroids C (>= 1, <= number of points).
     max_iters:  Lloyd iteration cap; stops earlier once no label changes.
     chunk:      points per similarity block (bounds memory to chunk × C floats per head).
-    seed:       PRNG seed for k-means++ (results are deterministic under a seed).
+    seed:       PRNG seed for the seeding (results are deterministic under a seed).
+    init:       "kmeans++" (D² sampling, C sequential steps) or "random" (C distinct points:
+                one step; what SAAP's Faiss training uses).
     """
 
     n_clusters: int
     max_iters: int = 25
     chunk: int = 4096
     seed: int = 0
+    init: str = "kmeans++"
 
     def __post_init__(self):
         if self.n_clusters < 1:
@@ -44,6 +47,8 @@ class KMeansConfig:
             raise ValueError(f"max_iters must be >= 0; got {self.max_iters}")
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1; got {self.chunk}")
+        if self.init not in ("kmeans++", "random"):
+            raise ValueError(f"init must be 'kmeans++' or 'random'; got {self.init!r}")
 
 
 class KMeansResult(NamedTuple):
@@ -110,7 +115,10 @@ def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) ->
     n, d = x.shape
     c = cfg.n_clusters
     xn = normalize(x)
-    cn0 = _kmeans_pp(xn, c, key)
+    if cfg.init == "random":
+        cn0 = xn[jax.random.choice(key, n, (c,), replace=False)]
+    else:
+        cn0 = _kmeans_pp(xn, c, key)
     labels0 = assign(xn, cn0, cfg.chunk)
 
     def update(labels, cn_prev):

@@ -121,6 +121,7 @@ class Squeezed(Method):
     vote: str = "kv"
     capacity_fraction: float | None = None
     kmeans_iters: int = 25
+    kmeans_init: str = "kmeans++"
     seed: int = 0
 
     def __post_init__(self):
@@ -132,7 +133,7 @@ class Squeezed(Method):
         return squeezed.SqueezedConfig(
             sparsity=self.sparsity, centroid_fraction=self.centroid_fraction, n_centroids=self.n_centroids,
             n_obs=self.n_obs, n_sink=self.n_sink, vote=self.vote, capacity_fraction=self.capacity_fraction,
-            kmeans_iters=self.kmeans_iters, seed=self.seed, **self._hier_kwargs(),
+            kmeans_iters=self.kmeans_iters, kmeans_init=self.kmeans_init, seed=self.seed, **self._hier_kwargs(),
         )
 
     def _hier_kwargs(self) -> dict:

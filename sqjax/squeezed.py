@@ -336,6 +336,7 @@ class SqueezedConfig:
     vote: str = "kv"
     capacity_fraction: float | None = None
     kmeans_iters: int = 25
+    kmeans_init: str = "kmeans++"
     seed: int = 0
 
     def __post_init__(self):
@@ -408,12 +409,13 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
     out = []
     for start in range(0, n_layers, group):
         keys = k[start:start + group, :, cfg.n_sink:cfg.n_sink + lc]
-        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start))
+        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start,
+                                                  init=cfg.kmeans_init))
         perm, offsets = cluster_layout(km.labels, c2)
         g = keys.shape[0]
         if c1:
             parent, cent1, cnt1 = cluster_level_up(
-                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start)
+                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init)
             )
         else:
             parent = jnp.zeros((g, hkv, c2), jnp.int32)
