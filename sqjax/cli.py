@@ -238,15 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--out", default="benchmarks/results")
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("train-qclassifier", help="train the SAAP query classifier (see python -m train_qclassifier --help)")
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    t.set_defaults(fn=cmd_train, json=False)
+    t = sub.add_parser("train-qclassifier", add_help=False,
+                       help="train the SAAP query classifier (options: sqjax train-qclassifier --help)")
+    t.set_defaults(fn=cmd_train, json=False, rest=[])
     return p
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "train-qclassifier" in argv:  # everything after it belongs to train_qclassifier's own parser
+        i = argv.index("train-qclassifier")
+        args = parser.parse_args(argv[: i + 1])
+        args.rest = argv[i + 1:]
+    else:
+        args = parser.parse_args(argv)
     _enable_compilation_cache()
     try:
         return int(args.fn(args) or 0)

@@ -370,6 +370,9 @@ class Saap(Method):
             from train_qclassifier.classifier import load_classifier
 
             assigner = load_classifier(self.classifier)
+            hq = data.q_obs.shape[1]
+            assigner.check_compatible(num_layers=data.n_layers, num_heads=hq, num_kv_heads=data.k.shape[1],
+                                      head_dim=data.k.shape[-1])  # a classifier of another model: clear error
             unit = assigner.unit_centroids  # [layers, Hkv, C, d] trained offline
             c = unit.shape[2]
         else:
