@@ -147,14 +147,6 @@ class Answer(str):
 # FixedContext
 # ---------------------------------------------------------------------------------------------
 
-def _progress(iterable, desc: str, enabled: bool, total: int | None = None):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, desc=desc, total=total, leave=False)
-
-
 def _method_params(method: Method) -> dict:
     return {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
 
@@ -209,9 +201,12 @@ class FixedContext:
                     "Shorten it, or pass truncate=True (--truncate) to keep its first part"
                 )
             ids = ids[:limit]
+        from sqjax import progress as _progress_mod
+
         data, last_logits = _prefill_document(model, ids, method, chunk=chunk, progress=progress)
         t0 = time.perf_counter()
-        index, info = method.build(data)
+        with _progress_mod.enabled(progress):
+            index, info = method.build(data)
         jax.block_until_ready(index)
         info = _jsonable(info)
         info["index_seconds"] = time.perf_counter() - t0
@@ -460,7 +455,11 @@ def _prefill_document(model, ids: np.ndarray, method: Method, *, chunk: int, pro
     cache = model.new_cache(1, n)
     q_obs = None
     logits = None
-    for i, start in enumerate(_progress(bounds, "prefill", progress)):
+    from sqjax.progress import enabled, track
+
+    with enabled(progress):
+        bar = track(bounds, "prefill")  # the bar is created now and advances as chunks finish
+    for i, start in enumerate(bar):
         end = bounds[i + 1] if i + 1 < len(bounds) else n
         toks = jnp.asarray(ids[None, start:end])
         pos = jnp.arange(start, end, dtype=jnp.int32)[None]

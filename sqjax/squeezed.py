@@ -406,8 +406,10 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
     chunk = 4096
     per_layer_bytes = 4 * hkv * (min(chunk, lc) * c2 + 2 * lc * d)
     group = max(1, min(n_layers, (1 << 30) // max(per_layer_bytes, 1)))
+    from sqjax.progress import track
+
     out = []
-    for start in range(0, n_layers, group):
+    for start in track(range(0, n_layers, group), "clustering", total=-(-n_layers // group)):
         keys = k[start:start + group, :, cfg.n_sink:cfg.n_sink + lc]
         km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start,
                                                   init=cfg.kmeans_init))
@@ -452,7 +454,10 @@ def build_squeezed_index(
             for s, li in zip(s1, per_layer)
         ]
         threshold1 = global_threshold(lvl1_key, cfg.level1_prune)
-    scores = [layer_scores(li, q_obs[i], threshold1, scale, cfg.vote)[0] for i, li in enumerate(per_layer)]
+    from sqjax.progress import track
+
+    scores = [layer_scores(li, q_obs[i], threshold1, scale, cfg.vote)[0]
+              for i, li in track(list(enumerate(per_layer)), "calibration")]
     per_key = [key_scores(s, li.labels) for s, li in zip(scores, per_layer)]
     threshold = global_threshold(per_key, cfg.sparsity)
     frac = jnp.stack([jnp.mean((p > threshold).astype(jnp.float32), axis=-1) for p in per_key])  # [Lyr, Hs]
