@@ -223,7 +223,7 @@ def test_config_errors():
         SqueezedConfig(vote="x")
     with pytest.raises(ValueError, match="more centroids than keys"):
         SqueezedConfig(n_centroids=50).n_clusters(40)
-    with pytest.raises(ValueError, match="exact tail"):
+    with pytest.raises(ValueError, match=r"not longer than the exact sink \+ tail \(0 \+ 100\)"):
         build_squeezed_index(jnp.zeros((1, 1, 100, 4)), jnp.zeros((1, 1, 100, 4)), SqueezedConfig(), 0.5)
     with pytest.raises(ValueError, match=r"q must have shape \[Hq, T, d\]"):
         cluster_scores(jnp.zeros((2, 4)), jnp.zeros((1, 3, 4)), jnp.ones((1, 3), jnp.int32), 1.0)
