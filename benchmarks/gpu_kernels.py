@@ -130,21 +130,9 @@ def short_error(e: BaseException) -> str:
 
 
 def time_fn(fn: Callable, sets: list[tuple], *, reps: int, inner: int) -> float:
-  """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls."""
-  for s in sets:                                   # compile + warm up every input set
-    jax.block_until_ready(fn(*s))
-  jax.block_until_ready(fn(*sets[0]))
-  samples = []
-  k = 0
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(inner):
-      out = fn(*sets[k % len(sets)])
-      k += 1
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner)
-  return statistics.median(samples) * 1e3
+  """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls (benchmarks._meta)."""
+  from benchmarks._meta import time_ms
+  return time_ms(fn, sets, reps=reps, inner=inner)
 
 
 def rel_err(a, b) -> float:

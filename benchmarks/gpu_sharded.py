@@ -122,20 +122,9 @@ def short_error(e: BaseException) -> str:
 
 
 def time_fn(fn, sets, *, reps: int, inner: int) -> float:
-  """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls."""
-  for s in sets:
-    jax.block_until_ready(fn(*s))
-  jax.block_until_ready(fn(*sets[0]))
-  samples, k = [], 0
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(inner):
-      out = fn(*sets[k % len(sets)])
-      k += 1
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner)
-  return statistics.median(samples) * 1e3
+  """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls (benchmarks._meta)."""
+  from benchmarks._meta import time_ms
+  return time_ms(fn, sets, reps=reps, inner=inner)
 
 
 def rel_err(a, b) -> float:
@@ -147,17 +136,9 @@ def rel_err(a, b) -> float:
 
 
 def git_commit() -> str:
-  import subprocess
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  try:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                         timeout=10).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True,
-                           timeout=10).stdout.strip()
-  except Exception:  # noqa: BLE001 - no git is fine
-    return "uncommitted"
-  return sha if sha and not dirty else "uncommitted"
+  """benchmarks._meta.git_commit (honours SQJAX_GIT_COMMIT when the tree travels without .git)."""
+  from benchmarks._meta import git_commit as _gc
+  return _gc()
 
 
 def device_names(devs) -> list[str]:

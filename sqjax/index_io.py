@@ -151,8 +151,8 @@ def save_index(path, tree, header: dict) -> None:
     write_atomic(path, lambda tmp: save_file(stored, tmp, metadata=meta))
 
 
-def read_header(path) -> dict:
-    """The JSON header of a `.sqx` file (no arrays read, nothing verified but the format)."""
+def _read(path, with_arrays: bool) -> tuple[dict, dict]:
+    """(metadata, arrays) of a `.sqx` file, with the errors a user can act on."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -161,32 +161,29 @@ def read_header(path) -> dict:
     try:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise IndexFileError(f"{path} is not a sqjax index file")
-        return json.loads(meta["header"])
-    except IndexFileError:
-        raise
-    except Exception as e:
-        raise IndexFileError(
-            f"{path} is not a readable sqjax index (corrupted or truncated: {e}); rebuild it with `sqjax index`"
-        ) from None
-
-
-def load_index(path, expected_fingerprint: str | None = None) -> tuple[object, dict]:
-    """Read and verify a `.sqx` file -> (tree, header)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"index file {str(path)!r} not found; build one with `sqjax index DOC.txt -o {path}`")
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            arrays = {k: f.get_tensor(k) for k in f.keys()}
+            arrays = {k: f.get_tensor(k) for k in f.keys()} if with_arrays else {}
     except Exception as e:  # safetensors raises its own types for truncated/garbled headers
         raise IndexFileError(
             f"{path} is not a readable sqjax index (corrupted or truncated: {e}); rebuild it with `sqjax index`"
         ) from None
+    return meta, arrays
+
+
+def read_header(path) -> dict:
+    """The JSON header of a `.sqx` file (no arrays read, nothing verified but the format)."""
+    meta, _ = _read(path, with_arrays=False)
+    if meta.get("format") != FORMAT:
+        raise IndexFileError(f"{path} is not a sqjax index file")
+    try:
+        return json.loads(meta["header"])
+    except (KeyError, json.JSONDecodeError):
+        raise IndexFileError(f"{path} has a damaged header; rebuild it with `sqjax index`") from None
+
+
+def load_index(path, expected_fingerprint: str | None = None) -> tuple[object, dict]:
+    """Read and verify a `.sqx` file -> (tree, header)."""
+    path = Path(path)
+    meta, arrays = _read(path, with_arrays=True)
     if meta.get("format") != FORMAT:
         raise IndexFileError(f"{path} is not a sqjax index file (format {meta.get('format')!r})")
     if meta.get("version") != str(VERSION):

@@ -188,18 +188,31 @@ def _budget_tokens(budget: float, length: int, multiple: int = 1) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(Method):
-    """QUEST: top-K pages by the min/max upper bound, per token (see `quest.py`)."""
+class BudgetMethod(Method):
+    """A method set by `budget`: the fraction of the fixed context's tokens it attends."""
 
-    name: ClassVar[str] = "quest"
     budget: float = 0.1
-    page: int = 16
-    vote: str = "kv"
-    dense_layers: int = 2
 
     def __post_init__(self):
         super().__post_init__()
         check_fraction("budget", self.budget, inclusive_high=True)
+
+    def expected_budget(self, length: int) -> float:
+        return min(length, _budget_tokens(self.budget, length)) / length
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.budget:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(BudgetMethod):
+    """QUEST: top-K pages by the min/max upper bound, per token (see `quest.py`)."""
+
+    name: ClassVar[str] = "quest"
+    page: int = 16
+    vote: str = "kv"
+    dense_layers: int = 2
 
     def build(self, data: ContextData):
         kmin, kmax = jax.vmap(lambda k: quest.page_bounds(k, self.page))(data.k)
@@ -220,24 +233,18 @@ class Quest(Method):
         n_pages = -(-length // self.page)
         return (min(self.n_pages(length) * self.page, length) + n_pages) / length
 
-    @property
-    def label(self) -> str:
-        return f"{self.name}@{self.budget:g}"
-
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(Method):
+class SnapKV(BudgetMethod):
     """SnapKV: observation-window voting at indexing time, a compressed static cache."""
 
     name: ClassVar[str] = "snapkv"
-    budget: float = 0.1
     window: int = 32
     kernel: int = 7
     pool: str = "max"
 
     def __post_init__(self):
         super().__post_init__()
-        check_fraction("budget", self.budget, inclusive_high=True)
         if self.window < 1:
             raise ValueError(f"window must be >= 1; got {self.window}")
         if self.pool not in snapkv.POOLS:
@@ -257,28 +264,18 @@ class SnapKV(Method):
         return {"keep": keep}, {"capacity": cap}
 
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
-        length = k_fixed.shape[1]
         return from_mask(index["keep"][layer][:, None, :])
 
     def expected_budget(self, length: int) -> float:
         return self.capacity(length) / length
 
-    @property
-    def label(self) -> str:
-        return f"{self.name}@{self.budget:g}"
-
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(Method):
+class StreamingLLM(BudgetMethod):
     """Attention sink + recent window of the fixed context."""
 
     name: ClassVar[str] = "streaming"
-    budget: float = 0.1
     n_sink: int = 4
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_fraction("budget", self.budget, inclusive_high=True)
 
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]
@@ -286,26 +283,14 @@ class StreamingLLM(Method):
         mask = baselines.streaming_mask(length, self.n_sink, n_recent)
         return from_mask(jnp.broadcast_to(mask, (k_fixed.shape[0], 1, length)))
 
-    def expected_budget(self, length: int) -> float:
-        return min(length, _budget_tokens(self.budget, length)) / length
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}@{self.budget:g}"
-
 
 @dataclasses.dataclass(frozen=True)
-class Oracle(Method):
+class Oracle(BudgetMethod):
     """True top-k keys by attention weight at the same budget, per token (App. H upper bound)."""
 
     name: ClassVar[str] = "oracle"
-    budget: float = 0.1
     n_tail: int = 100
     vote: str = "kv"
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_fraction("budget", self.budget, inclusive_high=True)
 
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]
@@ -313,13 +298,6 @@ class Oracle(Method):
         n_keep = max(0, _budget_tokens(self.budget, length) - n_tail)
         mask = baselines.oracle_topk_mask(q, k_fixed, 1.0 / math.sqrt(q.shape[-1]), n_keep, n_tail, self.vote)
         return from_mask(mask)
-
-    def expected_budget(self, length: int) -> float:
-        return min(length, _budget_tokens(self.budget, length)) / length
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}@{self.budget:g}"
 
 
 def saap_defaults(length: int) -> tuple[int, int]:
