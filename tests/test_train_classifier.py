@@ -225,7 +225,8 @@ def test_resume_is_exact(tmp_path, rng):
     assert res_hist["doc"] == full_hist["doc"]
     for a, b in zip(jax.tree.leaves(res_state), jax.tree.leaves(full_state)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
-    assert full_hist["loss"][-1] < full_hist["loss"][0]
+    # (learning itself: test_one_training_step_lowers_the_loss_on_a_fixed_batch; consecutive steps here
+    # see different random documents, so their losses are not comparable)
 
 
 def test_cli_help_and_errors(tmp_path, capsys):
