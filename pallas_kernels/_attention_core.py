@@ -160,6 +160,41 @@ def build_table(blocks, actives, groups: int):
   return table, active
 
 
+def range_and_new_blocks(groups: int, ranges, num_s: int, chunk: int, chunk_new: int,
+                         first_slot: int, wg: int):
+  """Item blocks for static fixed-context ranges split in ``chunk``-key items, then the
+  user input's keys in ``chunk_new``-key items, for every group (slots ``first_slot`` on).
+
+  ranges: static disjoint [(lo, hi)].  Returns (blocks, actives) for ``build_table``.
+  """
+  items = [(a, min(a + chunk, hi)) for lo, hi in ranges for a in range(lo, hi, chunk)]
+  n_nc = cdiv_static(num_s, chunk_new) if num_s else 0
+  grp = jnp.arange(groups, dtype=jnp.int32)[:, None]
+  blocks, actives = [], []
+  if items:
+    arr = jnp.asarray(items, jnp.int32)                            # [n, 2]
+    c = first_slot + jnp.arange(len(items), dtype=jnp.int32)[None, :]
+    blocks.append(make_items(grp, KIND_RANGE, arr[None, :, 0], arr[None, :, 1], grp, grp * wg + c))
+    actives.append(jnp.ones((groups, len(items)), bool))
+  if n_nc:
+    c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
+    lo = c * chunk_new
+    blocks.append(make_items(grp, KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s), grp,
+                             grp * wg + first_slot + len(items) + c))
+    actives.append(jnp.ones((groups, n_nc), bool))
+  return blocks, actives
+
+
+def n_range_and_new_items(ranges, num_s: int, chunk: int, chunk_new: int) -> int:
+  """How many items ``range_and_new_blocks`` makes per group (static)."""
+  n = sum(cdiv_static(hi - lo, chunk) for lo, hi in ranges)
+  return n + (cdiv_static(num_s, chunk_new) if num_s else 0)
+
+
+def cdiv_static(a: int, b: int) -> int:
+  return -(-a // b)
+
+
 def _online_update(carry, q, kt, vt, mask, scale):
   o, m, l = carry
   s = plgpu.dot(q, kt, trans_b=True) * scale                     # [rp, Bk] f32

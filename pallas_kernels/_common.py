@@ -60,6 +60,26 @@ def check_same_dtype(**arrays: jax.Array) -> None:
     raise ValueError("dtypes must match: " + ", ".join(f"{k}={d}" for k, d in dts.items()))
 
 
+def check_attention_io(shapes: str, q, k, v, k_new, v_new, q_pos, kv_pos_new) -> None:
+  """The checks every fixed-context attention op shares: q [Hq, T, d], k/v [Hkv, L, d],
+  k_new/v_new [Hkv, S, d], q_pos [T], kv_pos_new [S] int32, one float dtype."""
+  if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+    raise ValueError(f"need q [Hq, T, d] (or [Hq, d]), k and v [Hkv, L, d]; got {shapes}")
+  hq, seq_len, d = q.shape
+  hkv, num_l, dk = k.shape
+  if dk != d or seq_len < 1 or num_l < 1:
+    raise ValueError(f"head dims must match and T, L >= 1; got {shapes}")
+  check_heads(hq, hkv, shapes)
+  if k_new.ndim != 3 or v_new.shape != k_new.shape or k_new.shape[0] != hkv or k_new.shape[2] != d:
+    raise ValueError(f"need k_new and v_new [Hkv, S, d]; got {shapes}")
+  if q_pos.shape != (seq_len,) or kv_pos_new.shape != (k_new.shape[1],):
+    raise ValueError(f"need q_pos [T] and kv_pos_new [S]; got {shapes}")
+  check_float("q", q)
+  check_same_dtype(q=q, k=k, v=v, k_new=k_new, v_new=v_new)
+  check_int32("q_pos", q_pos)
+  check_int32("kv_pos_new", kv_pos_new)
+
+
 def check_vote(vote: str) -> None:
   if vote not in VOTES:
     raise ValueError(f"vote must be 'kv' (per KV head, group mean) or 'q' (per query head), got {vote!r}")

@@ -41,30 +41,18 @@ __all__ = ["saap_attention", "saap_attention_reference", "AttentionConfig"]
 def _validate(q, k, v, off, lst, bucket_idx, k_new, v_new, q_pos, kv_pos_new, n_sink, n_recent):
   shapes = cm.shape_str(q=q, k=k, v=v, off=off, lst=lst, bucket_idx=bucket_idx, k_new=k_new,
                         v_new=v_new, q_pos=q_pos, kv_pos_new=kv_pos_new)
-  if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
-    raise ValueError(f"need q [Hq, d] or [Hq, T, d], k and v [Hkv, L, d]; got {shapes}")
-  hq, seq_len, d = q.shape
-  hkv, num_l, _ = k.shape
-  if num_l < 1 or seq_len < 1:
-    raise ValueError(f"need L, T >= 1; got {shapes}")
-  cm.check_heads(hq, hkv, shapes)
+  cm.check_attention_io(shapes, q, k, v, k_new, v_new, q_pos, kv_pos_new)
+  hkv = k.shape[0]
   if off.ndim != 2 or off.shape[0] != hkv or off.shape[1] < 2:
     raise ValueError(f"need off [Hkv, C + 1] with C >= 1; got {shapes}")
   if lst.ndim != 2 or lst.shape[0] != hkv or lst.shape[1] < 1:
     raise ValueError(f"need lst [Hkv, N] with N >= 1; got {shapes}")
   if bucket_idx.ndim != 2 or bucket_idx.shape[0] != hkv:
     raise ValueError(f"need bucket_idx [Hkv, l]; got {shapes}")
-  if k_new.ndim != 3 or v_new.shape != k_new.shape or k_new.shape[0] != hkv or k_new.shape[2] != d:
-    raise ValueError(f"need k_new and v_new [Hkv, S, d]; got {shapes}")
-  if q_pos.shape != (seq_len,) or kv_pos_new.shape != (k_new.shape[1],):
-    raise ValueError(f"need q_pos [T] and kv_pos_new [S]; got {shapes}")
   for name, x in (("n_sink", n_sink), ("n_recent", n_recent)):
     if not isinstance(x, int) or x < 0:
       raise ValueError(f"{name} must be a static int >= 0, got {x!r}")
-  cm.check_float("q", q)
-  cm.check_same_dtype(q=q, k=k, v=v, k_new=k_new, v_new=v_new)
-  for name, x in (("off", off), ("lst", lst), ("bucket_idx", bucket_idx), ("q_pos", q_pos),
-                  ("kv_pos_new", kv_pos_new)):
+  for name, x in (("off", off), ("lst", lst), ("bucket_idx", bucket_idx)):
     cm.check_int32(name, x)
 
 
@@ -169,9 +157,7 @@ def saap_attention(
   par = lay.n_qb * hkv
   chunk = core.auto_chunk(n_dense, par, cfg, cfg.chunk_k)
   chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
-  dense_items = [(a, min(a + chunk, hi)) for lo, hi in ranges for a in range(lo, hi, chunk)]
-  n_nc = cm.cdiv(num_s, chunk_new) if num_s else 0
-  wg = max(1, ell + len(dense_items) + n_nc)
+  wg = max(1, ell + core.n_range_and_new_items(ranges, num_s, chunk, chunk_new))
   kvs = jnp.arange(hkv, dtype=jnp.int32)[:, None]
   blocks, actives = [], []
   if ell:
@@ -181,18 +167,9 @@ def saap_attention(
     c = jnp.arange(ell, dtype=jnp.int32)[None, :]
     blocks.append(core.make_items(kvs, core.KIND_LIST, lo, hi, kvs, kvs * wg + c))
     actives.append(_visited(bucket_idx, num_b) & (hi > lo))
-  if dense_items:
-    arr = jnp.asarray(dense_items, jnp.int32)                      # [nd, 2]
-    c = ell + jnp.arange(len(dense_items), dtype=jnp.int32)[None, :]
-    blocks.append(core.make_items(kvs, core.KIND_RANGE, arr[None, :, 0], arr[None, :, 1], kvs,
-                                  kvs * wg + c))
-    actives.append(jnp.ones((hkv, len(dense_items)), bool))
-  if n_nc:
-    c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
-    lo = c * chunk_new
-    blocks.append(core.make_items(kvs, core.KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s),
-                                  kvs, kvs * wg + ell + len(dense_items) + c))
-    actives.append(jnp.ones((hkv, n_nc), bool))
+  more = core.range_and_new_blocks(hkv, ranges, num_s, chunk, chunk_new, ell, wg)
+  blocks += more[0]
+  actives += more[1]
   table, active = core.build_table(blocks, actives, hkv)
   o, m, l = core.attention_partials(
       q3, k, v, k_new if num_s else None, v_new, q_pos, kv_pos_new, lst, table, lay=lay,

@@ -63,11 +63,18 @@ def cluster_scores(q, centroids, counts, scale: float, vote: str):
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):
     """Exact attention over a selection of the fixed context + the causal user input.
 
-    Compact selections (positions + counts, e.g. Squeezed) go to the split-KV sparse kernel;
+    Dense selections (mask None: full attention, dense layers) go to the split-KV dense kernel;
+    compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel;
     masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
     """
     b = resolved()
     ret = selection.retrieval
+    if b != "reference" and ret is None and selection.mask is None:
+        # dense (full attention, a method's dense layers): split-KV Flash-Decoding over the
+        # contiguous fixed context, never concatenated with the new keys and never cast to f32
+        from pallas_kernels import dense_decode_attention
+
+        return dense_decode_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, backend=b)
     if b == "reference" or ret is None:
         return fixed_context_attention(q, k_fixed, v_fixed, selection.mask, k_new, v_new, q_pos, kv_pos, scale)
     from pallas_kernels import gather_then_dense_attention, sparse_attention

@@ -40,11 +40,14 @@ def test_deterministic_under_seed_and_seed_matters(rng):
     np.testing.assert_array_equal(np.asarray(a.centroids), np.asarray(b.centroids))
 
 
-def test_recovers_separated_directions(rng):
+@pytest.mark.parametrize("pool", [None, 60])
+def test_recovers_separated_directions(rng, pool):
+    """Also when k-means++ seeds from a random subset of 60 of the 500 points."""
     dirs = _np_unit(rng.normal(size=(5, 32)))
     lab = rng.integers(0, 5, size=500)
     x = dirs[lab] * rng.uniform(1, 4, size=(500, 1)) + 0.01 * rng.normal(size=(500, 32))
-    res = spherical_kmeans(jnp.asarray(x.astype(np.float32)), KMeansConfig(5, seed=int(rng.integers(1 << 30))))
+    kw = {} if pool is None else {"seed_pool_per_centroid": 1, "seed_pool_min": pool}
+    res = spherical_kmeans(jnp.asarray(x.astype(np.float32)), KMeansConfig(5, seed=int(rng.integers(1 << 30)), **kw))
     got = np.asarray(res.labels)
     # same partition up to renaming
     for c in range(5):
@@ -94,3 +97,5 @@ def test_errors():
         spherical_kmeans(jnp.zeros((10,)), KMeansConfig(2))
     with pytest.raises(ValueError, match="n_clusters"):
         KMeansConfig(0)
+    with pytest.raises(ValueError, match="seed pool"):
+        KMeansConfig(2, seed_pool_min=0)

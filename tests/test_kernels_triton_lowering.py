@@ -84,3 +84,11 @@ def test_saap_lowers():
         sds((HQ, D)), sds((HKV, L, D)), sds((HKV, L, D)), sds((HKV, 65), jnp.int32),
         sds((HKV, L), jnp.int32), sds((HKV, 8), jnp.int32), sds((HKV, S, D)), sds((HKV, S, D)),
         sds((1,), jnp.int32), sds((S,), jnp.int32))
+
+
+@pytest.mark.parametrize("seq_len", [1, 64])
+def test_dense_decode_lowers(seq_len):
+  from pallas_kernels.dense_attention import dense_decode_attention
+  lower(lambda *a: dense_decode_attention(*a, scale=D ** -0.5, backend="pallas"),
+        sds((HQ, seq_len, D)), sds((HKV, L, D)), sds((HKV, L, D)), sds((HKV, S, D)), sds((HKV, S, D)),
+        sds((seq_len,), jnp.int32), sds((S,), jnp.int32))

@@ -212,3 +212,23 @@ def test_fused_clustered_decode_path_equals_reference(model):
                                attn_fn=hook, attn_state=state, logits="last")
         logits[backend] = np.asarray(lg)
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+def test_full_attention_gpu_path_equals_reference(model):
+    """Full attention's GPU path (the split-KV dense Pallas kernel, here interpreted) gives the
+    reference logits for a question's prefill block and for a decode step."""
+    from models.forward import forward_jit
+
+    ctx = FixedContext.build(model, DOC, Full(), chat=False)
+    toks = jnp.asarray([[321, 45, 9, 1000, 77]])
+    pos = ctx.n_tokens + jnp.arange(5)[None]
+    logits = {}
+    for backend in ("reference", "interpret"):
+        hook = dataclasses.replace(ctx._hook, backend=backend)
+        lg1, cache, _ = forward_jit(model.graphdef, model.state, toks, pos, ctx._new_cache(8),
+                                    attn_fn=hook, attn_state=ctx._state, logits="all")
+        lg2, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[5]]), pos[:, -1:] + 1, cache,
+                                attn_fn=hook, attn_state=ctx._state, logits="last")
+        logits[backend] = (np.asarray(lg1), np.asarray(lg2))
+    for got, want in zip(logits["interpret"], logits["reference"]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

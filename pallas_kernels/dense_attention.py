@@ -1,0 +1,105 @@
+"""Dense attention over the whole fixed context, split-KV (Flash-Decoding).
+
+The dense baseline in Pallas, and full attention's GPU decode path in `sqjax.dispatch`:
+exact attention of ``q`` over all ``L`` fixed-context keys plus the user input's keys
+``j`` with ``0 <= kv_pos_new[j] <= q_pos`` (f32 accumulation)::
+
+    o = softmax(s q [K_fixed ; K_new]^T + causal mask) [V_fixed ; V_new]
+
+The fixed context is cut into ``chunk_k``-key ranges per KV head (about
+``target_programs`` programs in all, so batch 1 fills the GPU), the new keys into
+``chunk_new``-key ranges; one program per range reads its K/V tiles once for the ``g``
+query heads of its KV head and writes an unnormalised partial ``(o, m, l)``; a fused
+log-sum-exp merge combines them.  The same work-item kernel as the sparse ops
+(``_attention_core``, kind 2 = range), so nothing is gathered and the fixed K/V are
+never concatenated with the new ones.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _attention_core as core
+from pallas_kernels import _common as cm
+from pallas_kernels._attention_core import AttentionConfig
+from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels.sparse_attention import dense_reference
+
+__all__ = ["dense_decode_attention", "dense_attention_reference"]
+
+
+def _validate(q, k, v, k_new, v_new, q_pos, kv_pos_new):
+  shapes = cm.shape_str(q=q, k=k, v=v, k_new=k_new, v_new=v_new, q_pos=q_pos, kv_pos_new=kv_pos_new)
+  cm.check_attention_io(shapes, q, k, v, k_new, v_new, q_pos, kv_pos_new)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse"))
+def dense_attention_reference(q, k, v, k_new, v_new, q_pos, kv_pos_new, *, scale, return_lse=False):
+  """Plain jnp: masked softmax over [K_fixed ; K_new] in f32.  q [Hq, T, d] or [Hq, d]."""
+  squeeze = q.ndim == 2
+  q3 = q[:, None, :] if squeeze else q
+  hq, seq_len, d = q3.shape
+  hkv, num_l, _ = k.shape
+  vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])   # [T, S]
+  live = (kv_pos_new >= 0)[None, :, None]
+  keys = jnp.concatenate([k, jnp.where(live, k_new, 0)], axis=1)
+  vals = jnp.concatenate([v, jnp.where(live, v_new, 0)], axis=1)
+  mask = jnp.concatenate([jnp.ones((seq_len, num_l), bool), vis], axis=1)
+  mask = jnp.broadcast_to(mask[None], (hkv,) + mask.shape)
+  out, lse = dense_reference(q3.reshape(hkv, hq // hkv, seq_len, d), keys, vals, mask, scale=scale)
+  out = out.reshape(hq, seq_len, d).astype(q.dtype)
+  lse = lse.reshape(hq, seq_len)
+  if squeeze:
+    out, lse = out[:, 0], lse[:, 0]
+  return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "config"))
+def dense_decode_attention(
+    q: jax.Array,            # [Hq, d] or [Hq, T, d]
+    k: jax.Array,            # [Hkv, L, d] fixed context
+    v: jax.Array,            # [Hkv, L, d]
+    k_new: jax.Array,        # [Hkv, S, d] the user input's keys (S may be 0)
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [T] int32
+    kv_pos_new: jax.Array,   # [S] int32 (-1 = empty slot)
+    *,
+    scale: float,
+    return_lse: bool = False,
+    backend: str = "auto",
+    config: AttentionConfig | None = None,
+):
+  """Dense split-KV attention over the fixed context + the causal new part.
+
+  Returns o with q's shape and dtype (+ lse f32 [Hq(, T)] if ``return_lse``).
+  """
+  squeeze = q.ndim == 2
+  q3 = q[:, None, :] if squeeze else q
+  _validate(q3, k, v, k_new, v_new, q_pos, kv_pos_new)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return dense_attention_reference(q, k, v, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                                     return_lse=return_lse)
+  hq, seq_len, d = q3.shape
+  hkv, num_l, _ = k.shape
+  num_s = k_new.shape[1]
+  cfg = config or core.default_config(seq_len, d)
+  lay = core.row_layout(hq, seq_len, hkv, cfg)
+  par = lay.n_qb * hkv
+  chunk = core.auto_chunk(num_l, par, cfg, cfg.chunk_k)
+  chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
+  ranges = [(0, num_l)]
+  wg = max(1, core.n_range_and_new_items(ranges, num_s, chunk, chunk_new))
+  blocks, actives = core.range_and_new_blocks(hkv, ranges, num_s, chunk, chunk_new, 0, wg)
+  table, active = core.build_table(blocks, actives, hkv)
+  o, m, l = core.attention_partials(
+      q3, k, v, k_new if num_s else None, v_new, q_pos, kv_pos_new, None, table, lay=lay,
+      n_slots=hkv * wg, scale=scale, cfg=cfg, backend=be)
+  out, lse = core.merge_partials(o, m, l, active, lay=lay, d=d)
+  out = out.astype(q.dtype)
+  if squeeze:
+    out, lse = out[:, 0], lse[:, 0]
+  return (out, lse) if return_lse else out
