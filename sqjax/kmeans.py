@@ -81,13 +81,20 @@ def _pad_rows(x: jax.Array, chunk: int) -> tuple[jax.Array, int]:
 
 
 def assign(xn: jax.Array, cn: jax.Array, chunk: int) -> jax.Array:
-    """Label of each unit point = argmax_c xn·cn, chunked over points.  xn [N,d], cn [C,d] -> [N]."""
+    """Label of each unit point = argmax_c xn·cn, chunked over points.  xn [N,d], cn [C,d] -> [N].
+
+    The similarities are accumulated in f32 from operands in xn's dtype (bf16 keys: bf16 unit
+    vectors on the tensor cores; f32 keys: f32).
+    """
     n = xn.shape[0]
     n_chunks = -(-n // min(chunk, n))
     chunk = -(-n // n_chunks)  # balanced chunks: little padding
     xp, _ = _pad_rows(xn, chunk)
     blocks = xp.reshape(-1, chunk, xn.shape[-1])
-    labels = jax.lax.map(lambda b: jnp.argmax(b @ cn.T, axis=-1).astype(jnp.int32), blocks)
+    cn = cn.astype(xn.dtype)
+    labels = jax.lax.map(
+        lambda b: jnp.argmax(jnp.dot(b, cn.T, preferred_element_type=jnp.float32), axis=-1).astype(jnp.int32),
+        blocks)
     return labels.reshape(-1)[:n]
 
 
@@ -124,6 +131,8 @@ def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) ->
     n, d = x.shape
     c = cfg.n_clusters
     xn = normalize(x)
+    # assignment operands in the keys' dtype when it is a 16-bit float (see `assign`)
+    xa = xn.astype(x.dtype) if jnp.dtype(x.dtype).itemsize == 2 else xn
     if cfg.init == "random":
         cn0 = xn[jax.random.choice(key, n, (c,), replace=False)]
     else:
@@ -133,7 +142,7 @@ def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) ->
             cn0 = _kmeans_pp(xn[jax.random.choice(kp, n, (pool,), replace=False)], c, key)
         else:
             cn0 = _kmeans_pp(xn, c, key)
-    labels0 = assign(xn, cn0, cfg.chunk)
+    labels0 = assign(xa, cn0, cfg.chunk)
 
     def update(labels, cn_prev):
         sums = jax.ops.segment_sum(xn, labels, num_segments=c)  # [C, d]
@@ -148,7 +157,7 @@ def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) ->
     def body(state):
         cn, labels, it, _ = state
         cn = update(labels, cn)
-        new_labels = assign(xn, cn, cfg.chunk)
+        new_labels = assign(xa, cn, cfg.chunk)
         return cn, new_labels, it + 1, jnp.any(new_labels != labels)
 
     cn, labels, n_iters, _ = jax.lax.while_loop(

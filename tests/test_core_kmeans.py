@@ -40,14 +40,15 @@ def test_deterministic_under_seed_and_seed_matters(rng):
     np.testing.assert_array_equal(np.asarray(a.centroids), np.asarray(b.centroids))
 
 
-@pytest.mark.parametrize("pool", [None, 60])
-def test_recovers_separated_directions(rng, pool):
-    """Also when k-means++ seeds from a random subset of 60 of the 500 points."""
+@pytest.mark.parametrize("pool,dtype", [(None, jnp.float32), (60, jnp.float32), (None, jnp.bfloat16)])
+def test_recovers_separated_directions(rng, pool, dtype):
+    """Also when k-means++ seeds from a random subset of 60 of the 500 points, and for bf16
+    keys (bf16 assignment operands, f32 accumulation)."""
     dirs = _np_unit(rng.normal(size=(5, 32)))
     lab = rng.integers(0, 5, size=500)
     x = dirs[lab] * rng.uniform(1, 4, size=(500, 1)) + 0.01 * rng.normal(size=(500, 32))
     kw = {} if pool is None else {"seed_pool_per_centroid": 1, "seed_pool_min": pool}
-    res = spherical_kmeans(jnp.asarray(x.astype(np.float32)), KMeansConfig(5, seed=int(rng.integers(1 << 30)), **kw))
+    res = spherical_kmeans(jnp.asarray(x, dtype), KMeansConfig(5, seed=int(rng.integers(1 << 30)), **kw))
     got = np.asarray(res.labels)
     # same partition up to renaming
     for c in range(5):
