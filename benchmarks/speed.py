@@ -11,7 +11,10 @@ What it measures, in one process on one GPU (median of repeated runs after warm-
    fixed contexts of 32K/128K/512K, decode (1 token) and prefill (1K, 4K tokens), sparsity
    70/80/90% with 5% centroids, 1-level and hierarchical (level 1 = 1%, pruning ~50%):
    lookup time, lookup + retrieval + sparse attention total, against dense attention in the
-   same run (cuDNN through `jax.nn.dot_product_attention`, and XLA); bytes moved and TB/s.
+   same run (cuDNN through `jax.nn.dot_product_attention`, XLA, and for decode the Pallas
+   split-KV dense kernel); bytes moved and TB/s. For decode, QUEST and SAAP (nearest-centroid
+   buckets) on their Pallas kernels at the budget Squeezed kept at each sparsity. Shapes:
+   Llama-3-8B attention (32/8 heads) over the full sweep, Llama-2-7B (32/32) over a reduced one.
 3. End to end: decode ms/token and time to first token of a Llama-3-8B-shaped model (random
    bf16 weights) over a 128K fixed context, Squeezed Attention vs full attention.
 4. A plot like the paper's Fig. 4: latency normalised to dense per sparsity.
@@ -47,9 +50,13 @@ class Plan:
     lengths: tuple = (32768, 131072, 524288)
     sparsities: tuple = (0.7, 0.8, 0.9)
     prefill: tuple = (1024, 4096)
-    hq: int = 32
+    hq: int = 32  # the (Hq, Hkv) of the offline and end-to-end sections (Llama-3-8B)
     hkv: int = 8
     d: int = 128
+    shapes: tuple = ((32, 8), (32, 32))  # kernel sweep (Hq, Hkv): Llama-3-8B, Llama-2-7B attention
+    other_shape_lengths: tuple = (32768, 131072)  # shapes after the first: a reduced sweep (time)
+    other_shape_sparsities: tuple = (0.9,)
+    hier_sparsities: tuple = (0.9,)  # the hierarchical (2-level) rows: only these sparsities (time)
     offline_layers: int = 32
     offline_length: int = 131072
     e2e_length: int = 131072
@@ -62,11 +69,13 @@ class Plan:
     deadline_s: float = 520.0
     cpu: bool = False
     phases: tuple = ("decode", "prefill")
+    offline_hierarchical: bool = True  # also time the 2-level offline build
     backend: str = "auto"  # sqjax.dispatch backend ("interpret" in the CPU smoke run: kernel plumbing)
 
 
 def cpu_plan() -> Plan:
-    return Plan(lengths=(1024,), sparsities=(0.8, 0.9), prefill=(32,), hq=4, hkv=2, d=16, offline_layers=2,
+    return Plan(lengths=(1024,), sparsities=(0.8, 0.9), prefill=(32,), hq=4, hkv=2, d=16, shapes=((4, 2), (4, 4)),
+                other_shape_lengths=(1024,), offline_layers=2,
                 offline_length=1024, e2e_length=1024, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256,
                 e2e_steps=3, reps=2, deadline_s=600, cpu=True, backend="interpret")
 
@@ -133,8 +142,10 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
     q_obs = jnp.stack([src.queries(100, seed=layer) for layer in range(plan.offline_layers)])
     jax.block_until_ready((k, v, q_obs))
     data = ContextData(k, v, q_obs, scale=1.0 / math.sqrt(plan.d))
-    for name, m in (("squeezed", Squeezed(sparsity=0.9, n_sink=1)),
-                    ("hsqueezed", HierarchicalSqueezed(sparsity=0.9, n_sink=1))):
+    methods = [("squeezed", Squeezed(sparsity=0.9, n_sink=1))]
+    if plan.offline_hierarchical:
+        methods.append(("hsqueezed", HierarchicalSqueezed(sparsity=0.9, n_sink=1)))
+    for name, m in methods:
         from sqjax import dispatch
 
         t0 = time.perf_counter()
@@ -143,7 +154,12 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
         jax.block_until_ready(index)
         out[f"{name}_seconds"] = time.perf_counter() - t0  # includes compilation (first build)
         out[f"{name}_capacity"] = info["capacity"]
-        log(f"[offline] {name}: {out[f'{name}_seconds']:.1f}s for {plan.offline_layers} layers x {plan.hkv} heads x {plan.offline_length} keys")
+        # the same build again, compiled: what each further document of this shape costs
+        t0 = time.perf_counter()
+        with dispatch.using(plan.backend):
+            jax.block_until_ready(dataclasses.replace(m, seed=1).build(data)[0])
+        out[f"{name}_seconds_warm"] = time.perf_counter() - t0
+        log(f"[offline] {name}: {out[f'{name}_seconds']:.1f}s cold, {out[f'{name}_seconds_warm']:.1f}s compiled, for {plan.offline_layers} layers x {plan.hkv} heads x {plan.offline_length} keys")
         out[f"{name}_index"] = (m, index, info)
     out["data"] = data
     return out
@@ -174,136 +190,299 @@ def _dense_fns_nocat(plan: Plan):
         q, kk, vv, scale=scale, implementation=impl)) for impl in impls}
 
 
-def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict | None) -> list[dict]:
-    from sqjax import dispatch, squeezed
-    from sqjax.calibration import global_threshold, key_scores
-    from sqjax.methods import ContextData, HierarchicalSqueezed, Squeezed
+def _sweep(plan: Plan, i: int) -> tuple[tuple, tuple]:
+    """(lengths, sparsities) of shape i: the first shape the full sweep, the others the reduced one."""
+    if i == 0:
+        return plan.lengths, plan.sparsities
+    sps = tuple(s for s in plan.sparsities if s in plan.other_shape_sparsities) or plan.sparsities[-1:]
+    return tuple(n for n in plan.lengths if n in plan.other_shape_lengths), sps
 
-    rows = []
+
+@functools.partial(jax.jit, static_argnames=("method", "backend", "lookup_only"))
+def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, lookup_only=False):
+    """A method's lookup alone (`lookup_only`), or its decode on its own Pallas kernels.
+
+    Squeezed: centroid-lookup kernel (Eq. 1) / fused clustered decode over `layout` (cluster-
+    sorted K, V, offsets). QUEST: page-score kernel + top-K pages / + page-sparse decode kernel.
+    SAAP: nearest-centroid top-ℓ buckets (q taken as de-roped) / + bucket attention kernel.
+    Arrays are arguments, never closure constants (those would be baked into the program).
+    """
+    import pallas_kernels as pk
+    from sqjax import dispatch, saap, squeezed
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    length = k.shape[1]
+    with dispatch.using(backend):
+        if method.name == "quest":
+            s = pk.quest_page_scores(q[:, 0], index["kmin"][0], index["kmax"][0], vote=method.vote, backend=backend)
+            sel = pk.quest_select(s, method.n_pages(length), force_page=s.shape[-1] - 1, backend=backend)
+            if lookup_only:
+                return sel
+            return pk.quest_decode_attention(q[:, 0], k, v, sel, kn, vn, qp, kp, scale=scale, page_size=method.page,
+                                             backend=backend)[:, None]
+        if method.name == "saap":
+            sel = jax.lax.top_k(saap.nearest_centroid_scores(q, index["unit"][0])[:, 0], method.probes)[1]
+            if lookup_only:
+                return sel
+            return pk.saap_attention(q[:, 0], k, v, index["off"][0], index["lst"][0], sel.astype(jnp.int32), kn, vn,
+                                     qp, kp, scale=scale, n_sink=method.n_sink, n_recent=method.sizes(length)[1],
+                                     backend=backend)[:, None]
+        li = index.layer(0)
+        if lookup_only:
+            return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote)[0]
+        ks, vs, off = layout
+        return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
+                                         method.vote)
+
+
+@functools.partial(jax.jit, static_argnames=("method", "backend"))
+def _library_path(method, index, q, k, v, kn, vn, qp, kp, *, backend):
+    """The library path: `method.select` (layer 0; q doubles as the de-roped query, for SAAP)
+    → `sqjax.dispatch.attention`, with what the selection reads: K/V rows, metadata rows, overflow."""
+    from sqjax import dispatch
+
+    with dispatch.using(backend):
+        sel = method.select(index, 0, q, q, k)
+        o = dispatch.attention(q, k, v, sel, kn, vn, qp, kp, 1.0 / math.sqrt(q.shape[-1]))
+    return o, sel.kv_rows, sel.meta_rows, sel.overflow
+
+
+_PATHS = {"quest": "Pallas page scores + top-K pages + page-sparse decode kernel",
+          "saap": "nearest-centroid top-ℓ + Pallas bucket attention (synthetic K/q taken as de-roped)"}
+
+
+def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=None) -> dict:
+    """Time one method (Squeezed, QUEST, SAAP alike) into `row`: lookup ms; total ms of its own
+    Pallas decode path where it has one (the library path then goes to generic_total_ms), else of
+    the library path; kept fraction and bytes (K+V rows + metadata rows) its selection reads."""
+    kernel = method.name in _PATHS or layout is not None
+    lib = functools.partial(_library_path, method, backend=plan.backend)
+    kern = functools.partial(_kernel_path, method, backend=plan.backend)
+    # the (static) capacity only bounds the library path's retrieval: one compilation of the
+    # lookup and the fused kernel path serves every sparsity
+    kidx = dataclasses.replace(index, capacity=0) if hasattr(index, "capacity") else index
+    sets = [(qq, *ctx) for qq in qs]
+    length, t = ctx[0].shape[1], qs[0].shape[1]
+    t0 = time.perf_counter()
+    try:
+        row["lookup_ms"] = time_ms(functools.partial(kern, lookup_only=True), [(kidx, layout, *s) for s in sets],
+                                   reps=plan.reps)
+        row["generic_total_ms" if kernel else "total_ms"] = time_ms(lib, [(index, *s) for s in sets], reps=plan.reps)
+        if kernel:
+            row["total_ms"] = time_ms(kern, [(kidx, layout, *s) for s in sets], reps=plan.reps)
+        row["path"] = _PATHS.get(method.name) or ("fused clustered decode kernel" if kernel else "lookup + retrieve + "
+                                                  + ("sparse attention" if t == 1 else "gather + cuDNN"))
+        o, rows_, meta_, over = lib(index, *sets[0])
+        if kernel:  # the timed kernel path computes what the library path does (same selection)
+            o2 = kern(kidx, layout, *sets[0]).astype(jnp.float32)
+            row["rel_diff_vs_library"] = float(jnp.linalg.norm(o2 - o) / jnp.maximum(jnp.linalg.norm(o), 1e-30))
+        rows_ = np.asarray(rows_, np.float64).mean(-1)  # per selection head, mean over its key sets
+        meta_ = np.asarray(meta_, np.float64).mean(-1)
+        row.update(retrieved_frac=float(rows_.mean() / length), meta_rows=float(meta_.mean()),
+                   overflow_heads=int(np.asarray(over).sum()),
+                   bytes=float((rows_.sum() * 2 + meta_.sum()) * row["d"] * 2))  # bf16 K+V rows + metadata rows
+        row["tb_per_s"] = row["bytes"] / (row["total_ms"] * 1e-3) / 1e12
+        if best_dense:
+            row["speedup_vs_best_dense"] = best_dense / row["total_ms"]
+        row["wall_s"] = time.perf_counter() - t0  # compilation included: what the row costs the run
+        log(f"[{method.name}] L={length} {row['Hq']}/{row['Hkv']} {row['phase']} {row['budget']}: lookup "
+            f"{row['lookup_ms']:.3f} ms, total {row['total_ms']:.3f} ms, kept {row['retrieved_frac']:.3f}, "
+            f"x{row.get('speedup_vs_best_dense', float('nan')):.2f} vs dense ({row['wall_s']:.1f}s)")
+    except Exception as e:  # noqa: BLE001
+        row["error"] = _err(e)
+        log(f"[{method.name}] L={length} {row['Hq']}/{row['Hkv']} {row['phase']} {row['budget']}: ERROR {row['error']}")
+        traceback.print_exc()
+    return row
+
+
+def _saap_probes(method, index, qs, length: int, frac: float) -> int:
+    """SAAP's ℓ whose visited fraction on these queries is closest to `frac` (buckets in
+    nearest-centroid order, their sizes summed, plus the dense part)."""
+    from sqjax import saap
+
+    sizes = jnp.diff(index["off"][0], axis=-1)  # [Hkv, C]
+    cum = np.mean([np.asarray(jnp.cumsum(jnp.take_along_axis(
+        sizes, jnp.argsort(-saap.nearest_centroid_scores(qq, index["unit"][0])[:, 0], axis=-1), axis=-1), axis=-1))
+        .mean(0) for qq in qs], axis=0)
+    dense = method.n_sink + method.sizes(length)[1]
+    return int(np.argmin(np.abs((cum + dense) / length - frac))) + 1
+
+
+def _dense_times(plan: Plan, log, qs, ctx, tag: str) -> dict:
+    """Dense baselines, new part appended outside the timing: cuDNN, XLA (where its T x L scores
+    fit) and, for decode, the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`)."""
+    import pallas_kernels
+
+    k, v, kn, vn = ctx[:4]
+    t, length = qs[0].shape[1], k.shape[1]
+    kk = jnp.concatenate([k, kn], 1).swapaxes(0, 1)[None]
+    vv = jnp.concatenate([v, vn], 1).swapaxes(0, 1)[None]
+    cases = {name: (fn, [(qq.swapaxes(0, 1)[None], kk, vv) for qq in qs]) for name, fn in _dense_fns_nocat(plan).items()
+             if not (name == "xla" and qs[0].shape[0] * t * length * 4 > 16 << 30)}  # XLA's f32 Hq x T x L scores: OOM
+    if t == 1 and hasattr(pallas_kernels, "dense_decode_attention"):
+        fn = functools.partial(pallas_kernels.dense_decode_attention, scale=1.0 / math.sqrt(plan.d),
+                               backend=plan.backend)
+        cases["pallas"] = (fn, [(qq, *ctx) for qq in qs])
+    out = {}
+    for name, (fn, sets) in cases.items():
+        try:
+            out[name] = time_ms(fn, sets, reps=plan.reps)
+        except Exception as e:  # noqa: BLE001
+            log(f"[dense] {tag} {name}: ERROR {_err(e)}")
+    log(f"[dense] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
+    return out
+
+
+def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, i: int) -> list[dict]:
+    """Every row of one (shape, fixed-context length): its arrays die when this returns."""
+    from pallas_kernels import cluster_sort_layout
+    from sqjax import dispatch
+    from sqjax.methods import ContextData, HierarchicalSqueezed, Quest, Saap, Squeezed
+
+    from benchmarks.quality import matched_fraction
+    from benchmarks.quality_engine import ClusterMemo
+
+    hq, hkv = plan.shapes[i]
+    sps = _sweep(plan, i)[1]
+    level_sps = {"squeezed": sps, "hsqueezed": tuple(s for s in sps if s in plan.hier_sparsities)}
     scale = 1.0 / math.sqrt(plan.d)
-    dense = _dense_fns_nocat(plan)
-    for length in sorted(plan.lengths, reverse=True):
+    k, v = src.kv(length, seed=length, n_heads=hkv)
+    q_obs = src.queries(100, seed=length, n_heads=hq)[None]
+    data = ContextData(k[None], v[None], q_obs, k_pre=k[None], scale=scale)  # SAAP: keys taken as de-roped
+    built = {}
+    for m in (Squeezed(sparsity=0.9, n_sink=1), HierarchicalSqueezed(sparsity=0.9, n_sink=1),
+              Quest(dense_layers=0), Saap(dense_layers=0)):
+        t0 = time.perf_counter()
+        try:
+            with dispatch.using(plan.backend), ClusterMemo():
+                if isinstance(m, Squeezed):  # one clustering, calibrated per sparsity (threshold, capacity)
+                    index = {sp: dataclasses.replace(m, sparsity=sp).build(data)[0] for sp in level_sps[m.name]}
+                else:
+                    index = m.build(data)[0]
+                if m.name == "quest":  # min/max of bf16 keys are exact in bf16: what the page kernel reads
+                    index = jax.tree.map(lambda a: a.astype(k.dtype), index)
+            jax.block_until_ready(index)
+            built[m.name] = (m, index)
+            log(f"[index] L={length} {hq}/{hkv} {m.name} built in {time.perf_counter() - t0:.1f}s")
+        except Exception as e:  # noqa: BLE001
+            log(f"[index] L={length} {hq}/{hkv} {m.name}: ERROR {_err(e)}")
+            traceback.print_exc()
+    layout = None
+    if "squeezed" in built:  # 1-level: the cluster-contiguous layout the fused decode kernel reads
+        idx0 = next(iter(built["squeezed"][1].values()))
+        layout = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
+                                     num_clusters=idx0.layers.counts.shape[-1])[:3]
+    phases = [("decode", 1)] + [(f"prefill_{t // 1024}k" if t >= 1024 else f"prefill_{t}", t) for t in plan.prefill]
+    phases = [p for p in phases if p[0].split("_")[0] in plan.phases]
+    n_new = 1024 if not plan.cpu else 16
+    kn, vn = src.kv(n_new, seed=7, n_heads=hkv)
+    kv_pos = (length + jnp.arange(n_new)).astype(jnp.int32)
+    rows = []
+    for phase, t in phases:
         if time.perf_counter() > deadline:
             break
-        k, v = src.kv(length, seed=length)
-        q_obs = src.queries(100, seed=length)[None]
-        data = ContextData(k[None], v[None], q_obs, scale=scale)
-        built = {}
-        for hier in (False, True):
-            cls = HierarchicalSqueezed if hier else Squeezed
-            t0 = time.perf_counter()
-            try:
-                m = cls(sparsity=0.9, n_sink=1)
-                with dispatch.using(plan.backend):
-                    index, info = m.build(data)
-                li = index.layer(0)
-                # thresholds for every sparsity from the same calibration scores
-                with dispatch.using(plan.backend):
-                    s, _ = squeezed.layer_scores(li, q_obs[0], index.threshold1, scale, "kv")
-                per_key = key_scores(s, li.labels)
-                thr = {sp: global_threshold([per_key], sp) for sp in plan.sparsities}
-                built[hier] = (m, index, thr)
-                log(f"[index] L={length} {'hier' if hier else 'flat'} built in {time.perf_counter() - t0:.1f}s")
-            except Exception as e:  # noqa: BLE001
-                log(f"[index] L={length} hier={hier}: ERROR {_err(e)}")
-                traceback.print_exc()
-        clustered = {}
-        if False in built:  # 1-level: the cluster-contiguous layout the fused decode kernel reads
-            from pallas_kernels import cluster_sort_layout
-
-            _, idx0, _ = built[False]
-            ks, vs, off, _ = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
-                                                 num_clusters=idx0.layers.counts.shape[-1])
-            clustered[False] = (ks, vs, off)
-        phases = [("decode", 1)] + [(f"prefill_{t // 1024}k" if t >= 1024 else f"prefill_{t}", t) for t in plan.prefill]
-        phases = [p for p in phases if p[0].split("_")[0] in plan.phases]
-        n_new = 1024 if not plan.cpu else 16
-        kn, vn = src.kv(n_new, seed=7)
-        for phase, t in phases:
-            qs = [src.queries(t, seed=100 * t + i) for i in range(3)]
-            kv_pos = (length + jnp.arange(n_new)).astype(jnp.int32)
-            q_pos = (length + n_new - t + jnp.arange(t)).astype(jnp.int32)
-            # dense baselines (the new part already appended outside the timing)
-            kk = jnp.concatenate([k, kn], 1).swapaxes(0, 1)[None]
-            vv = jnp.concatenate([v, vn], 1).swapaxes(0, 1)[None]
-            dense_ms = {}
-            for name, fn in dense.items():
-                if time.perf_counter() > deadline:
-                    break
-                if name == "xla" and t * length > (1 << 30):  # XLA materialises T x L scores: OOM
+        qs = [src.queries(t, seed=100 * t + j, n_heads=hq) for j in range(3)]
+        ctx = (k, v, kn, vn, (length + n_new - t + jnp.arange(t)).astype(jnp.int32), kv_pos)
+        dense_ms = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}")
+        best = min(dense_ms.values(), default=None)
+        base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
+                "dense_ms": dense_ms}
+        for sp in sps:
+            frac = None
+            for name in ("squeezed", "hsqueezed"):
+                if name in built and sp in built[name][1] and time.perf_counter() <= deadline:
+                    m, idx = built[name]
+                    fused = layout if name == "squeezed" and t == 1 else None
+                    r = _method_row({**base, "method": name, "sparsity": sp, "hierarchical": name == "hsqueezed",
+                                     "budget": f"sparsity {sp}, {2 if name == 'hsqueezed' else 1}-level",
+                                     "C": int(idx[sp].layers.centroids.shape[2])},
+                                    plan, log, m, idx[sp], qs, ctx, fused, best)
+                    rows.append(r)
+                    frac = frac or r.get("retrieved_frac")
+            if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
+                continue
+            for name in ("quest", "saap"):
+                if name not in built or time.perf_counter() > deadline:
                     continue
-                try:
-                    dense_ms[name] = time_ms(fn, [(qq.swapaxes(0, 1)[None], kk, vv) for qq in qs], reps=plan.reps)
-                except Exception as e:  # noqa: BLE001
-                    log(f"[dense] L={length} {phase} {name}: ERROR {_err(e)}")
-            del kk, vv
-            best_dense = min(dense_ms.values()) if dense_ms else None
-            log(f"[dense] L={length} {phase}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in dense_ms.items()))
-            for hier, (m, index, thr) in built.items():
-                for sp in plan.sparsities:
-                    if time.perf_counter() > deadline:
-                        break
-                    row = {"L": length, "phase": phase, "T": t, "sparsity": sp, "hierarchical": hier,
-                           "Hq": plan.hq, "Hkv": plan.hkv, "d": plan.d, "dtype": "bfloat16",
-                           "C": int(index.layers.centroids.shape[2]), "dense_ms": dense_ms}
-                    idx_sp = dataclasses.replace(index, threshold=jnp.float32(thr[sp]))
-                    m_sp = dataclasses.replace(m, sparsity=sp)
-
-                    def lookup_only(q, index=idx_sp, m=m_sp):
-                        li = index.layer(0)
-                        return squeezed.layer_scores(li, q, index.threshold1, scale, "kv")[0]
-
-                    def full_path(q, k, v, kn, vn, qp, kp, index=idx_sp, m=m_sp):
-                        sel = m.select(index, 0, q, None, k)
-                        o = dispatch.attention(q, k, v, sel, kn, vn, qp, kp, scale)
-                        return o, sel.kv_rows, sel.meta_rows, sel.overflow
-
-                    fused = clustered.get(hier) if t == 1 else None
-                    if fused is not None:  # what the model's decode runs on GPU: the fused kernel
-                        ks, vs, off = fused
-
-                        def fast(q, k, v, kn, vn, qp, kp, index=idx_sp, ks=ks, vs=vs, off=off):
-                            return dispatch.clustered_decode(q, ks, vs, index.layer(0).centroids, off, index.threshold,
-                                                             kn, vn, qp, kp, scale, "kv")
-
+                m, idx = built[name]
+                if name == "quest":
+                    m = dataclasses.replace(m, budget=matched_fraction("quest", frac, length))
+                    label = f"{m.n_pages(length)} pages of {m.page} (matched sparsity {sp})"
+                else:
                     try:
-                        with dispatch.using(plan.backend):
-                            lk = jax.jit(lookup_only)
-                            fp = jax.jit(full_path)
-                            row["lookup_ms"] = time_ms(lk, [(qq,) for qq in qs], reps=plan.reps)
-                            sets = [(qq, k, v, kn, vn, q_pos, kv_pos) for qq in qs]
-                            if fused is not None:
-                                row["generic_total_ms"] = time_ms(fp, sets, reps=plan.reps)
-                                row["total_ms"] = time_ms(jax.jit(fast), sets, reps=plan.reps)
-                                row["path"] = "fused clustered decode kernel"
-                            else:
-                                row["total_ms"] = time_ms(fp, sets, reps=plan.reps)
-                                row["path"] = "lookup + retrieve + " + ("sparse attention" if t == 1 else "gather + cuDNN")
-                            _, rows_, meta_, over = fp(qs[0], k, v, kn, vn, q_pos, kv_pos)
-                        rows_ = np.asarray(rows_, np.float64).mean(-1)
-                        row["retrieved_frac"] = float(rows_.mean() / length)
-                        row["centroids_read"] = float(np.asarray(meta_).mean())
-                        row["overflow_heads"] = int(np.asarray(over).sum())
-                        by = (rows_.sum() * 2 + np.asarray(meta_, np.float64).mean(-1).sum()) * plan.d * 2
-                        row["bytes"] = float(by)
-                        row["tb_per_s"] = by / (row["total_ms"] * 1e-3) / 1e12
-                        if best_dense:
-                            row["speedup_vs_best_dense"] = best_dense / row["total_ms"]
-                        log(f"[squeezed] L={length} {phase} sp={sp} {'hier' if hier else 'flat'}: lookup {row['lookup_ms']:.3f} ms, "
-                            f"total {row['total_ms']:.3f} ms, kept {row['retrieved_frac']:.3f}, "
-                            f"x{row.get('speedup_vs_best_dense', float('nan')):.2f} vs dense")
+                        m = dataclasses.replace(m, probes=_saap_probes(m, idx, qs, length, frac))
                     except Exception as e:  # noqa: BLE001
-                        row["error"] = _err(e)
-                        log(f"[squeezed] L={length} {phase} sp={sp} hier={hier}: ERROR {row['error']}")
-                        traceback.print_exc()
-                    rows.append(row)
-        del k, v, data, built
+                        rows.append({**base, "method": name, "sparsity": sp, "budget": "matched ℓ", "error": _err(e)})
+                        log(f"[saap] L={length} {hq}/{hkv} probes: ERROR {_err(e)}")
+                        continue
+                    label = f"ℓ={m.probes} of {m.sizes(length)[0]} buckets (matched sparsity {sp})"
+                rows.append(_method_row({**base, "method": name, "sparsity": sp, "budget": label, "matched_frac": frac},
+                                        plan, log, m, idx, qs, ctx, None, best))
+    return rows
+
+
+def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict | None,
+                 on_rows=None) -> list[dict]:
+    """Every (shape, length), shortest first (a deadline cuts the longest), decode before prefill;
+    `on_rows(rows)` after each, so a run cut short still has written what it measured."""
+    rows = []
+    jobs = sorted((length, i) for i in range(len(plan.shapes)) for length in _sweep(plan, i)[0])
+    for length, i in jobs:
+        hq, hkv = plan.shapes[i]
+        if time.perf_counter() > deadline:
+            log(f"[kernels] L={length} {hq}/{hkv}: not run (deadline)")
+            rows.append({"L": length, "Hq": hq, "Hkv": hkv, "phase": "", "method": "", "budget": "",
+                         "error": "not run: deadline"})
+            continue
+        try:
+            rows += _length_rows(plan, src, log, deadline, length, i)
+        except Exception as e:  # noqa: BLE001
+            log(f"[kernels] L={length} {hq}/{hkv}: ERROR {_err(e)}")
+            traceback.print_exc()
+        if on_rows:
+            on_rows(rows)
     return rows
 
 
 # ---------------------------------------------------------------------------------------------
 # 3. end to end
 # ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _NoAttention:
+    """An attn_fn that returns zeros: times everything in a decode step but attention."""
+
+    def __call__(self, layer, q, cache_k, cache_v, q_pos, kv_pos, state):
+        return jnp.zeros_like(q)
+
+
+def _fused_decode_by_layer(plan: Plan, src: KeySource, data, index, length: int, layers=(0, 1, 15, 31)) -> list:
+    """The fused decode kernel alone on a few layers of the end-to-end index: time, the fraction
+    of rows it reads and the largest cluster (work balance), to locate per-step costs."""
+    from pallas_kernels import cluster_sort_layout, clustered_decode_attention
+
+    q = src.queries(1, seed=3)[:, 0]
+    kn = jnp.zeros((plan.hkv, 32, plan.d), BF16)
+    kp = jnp.where(jnp.arange(32) < 8, length + jnp.arange(32), -1).astype(jnp.int32)
+    qp = jnp.full((1,), length + 8, jnp.int32)
+    rows = []
+    for layer in (x for x in layers if x < data.k.shape[0]):
+        li = index.layer(layer)
+        ks, vs, off, _ = cluster_sort_layout(data.k[layer], data.v[layer], li.labels, index.n_sink, index.n_tail,
+                                             num_clusters=li.counts.shape[-1])
+        cent = li.centroids.astype(BF16)
+        f = jax.jit(lambda q, ks, vs, off: clustered_decode_attention(
+            q, ks, vs, cent, off, index.threshold, kn, kn, qp, kp, scale=1.0 / math.sqrt(plan.d)))
+        _, _, n_rows = jax.jit(lambda q, ks, vs, off: clustered_decode_attention(
+            q, ks, vs, cent, off, index.threshold, kn, kn, qp, kp, scale=1.0 / math.sqrt(plan.d),
+            return_stats=True))(q, ks, vs, off)
+        sizes = np.diff(np.asarray(off), axis=-1)
+        rows.append({"layer": layer, "kernel_ms": time_ms(f, [(q, ks, vs, off)], reps=plan.reps),
+                     "kept": float(np.asarray(n_rows).mean() / length), "max_cluster": int(sizes.max()),
+                     "mean_cluster": float(sizes.mean())})
+        del ks, vs
+    return rows
+
 
 def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     from flax import nnx
@@ -334,19 +513,28 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
         data = ContextData(jnp.stack(ks), jnp.stack(vs), q_obs, scale=1.0 / math.sqrt(plan.d))
         from sqjax import dispatch
 
-        # decode speed does not depend on clustering quality: a quick clustering (random init,
-        # 3 Lloyd iterations) keeps this section short; section 1 times the real one
-        method = Squeezed(sparsity=0.9, n_sink=1, kmeans_iters=3, kmeans_init="random")
+        # a shorter clustering (8 Lloyd iterations instead of 25) keeps this section short;
+        # section 1 times the full one
+        method = Squeezed(sparsity=0.9, n_sink=1, kmeans_iters=8)
         t0 = time.perf_counter()
         with dispatch.using(plan.backend):
             index, info = method.build(data)
         jax.block_until_ready(index)
         out["index_build_s"] = time.perf_counter() - t0
-        out["index_kmeans"] = "random init, 3 Lloyd iterations"
+        out["index_kmeans"] = "k-means++, 8 Lloyd iterations"
         log(f"[e2e] index built in {out['index_build_s']:.1f}s")
     inv = tuple(float(x) for x in config_frequencies(cfg))
     n_prompt, n_steps = (128 if not plan.cpu else 8), plan.e2e_steps
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
+
+    def attn_layer_ms(hook, state_tree, layer=1):
+        """One layer's attention call alone (jitted), decode shape: where the step's time goes."""
+        q = src.queries(1, seed=3)[:, 0][None, None].astype(BF16)  # [1, 1, Hq, d]
+        ck = jnp.zeros((1, plan.hkv, 32, plan.d), BF16)
+        qp = jnp.full((1, 1), length + 8, jnp.int32)
+        kp = jnp.where(jnp.arange(32) < 8, length + jnp.arange(32), -1).astype(jnp.int32)[None]
+        f = jax.jit(lambda q, st: hook(layer, q, ck, ck, qp, kp, st))
+        return time_ms(f, [(q, state_tree)], reps=plan.reps)
 
     def run(hook, state_tree):
         cache = KVCache.init(cfg, 1, n_prompt + n_steps + 8, BF16)
@@ -366,23 +554,39 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
             nxt = jnp.argmax(lg[0, -1]).astype(jnp.int32)
             jax.block_until_ready(nxt)
             ttfts.append(time.perf_counter() - t0)
-        times = []
+        times, host = [], []
         p = length + n_prompt
         for i in range(n_steps):
             t0 = time.perf_counter()
             lg, cache, _ = forward_jit(graphdef, state, nxt.reshape(1, 1), jnp.full((1, 1), p + i, jnp.int32), cache,
                                        attn_fn=hook, attn_state=state_tree, logits="last")
+            host.append(time.perf_counter() - t0)  # the call returns once the step is dispatched
             nxt = jnp.argmax(lg[0, -1]).astype(jnp.int32)
             jax.block_until_ready(nxt)
             times.append(time.perf_counter() - t0)
-        return float(np.median(ttfts)), float(np.median(times))
+        return float(np.median(ttfts)), float(np.median(times)), float(np.median(host))
 
-    for name, m, idx in (("squeezed", method, index), ("full", Full(), None)):
+    out["per_layer"] = _fused_decode_by_layer(plan, src, data, index, length)
+    log("[e2e] per layer (fused kernel alone): " + ", ".join(
+        f"L{r['layer']} {r['kernel_ms']:.3f} ms kept {r['kept']:.3f} max cluster {r['max_cluster']}"
+        for r in out["per_layer"]))
+    variants = [("squeezed", SparseAttentionHook(method, inv, backend=plan.backend), index),
+                ("full", SparseAttentionHook(Full(), inv, backend=plan.backend), None),
+                # full attention through the jnp reference (what "full" ran before the dense kernel)
+                ("full-xla", SparseAttentionHook(Full(), inv, backend="reference"), None),
+                # no attention at all: the floor set by the weights and the per-step overhead
+                ("no-attention", _NoAttention(), None)]
+    for name, hook, idx in variants:
         try:
-            hook = SparseAttentionHook(m, inv, backend=plan.backend)
-            ttft, tpot = run(hook, attention_state(data.k, data.v, idx, clustered_layout=name == "squeezed"))
-            out[name] = {"ttft_s": ttft, "ms_per_token": 1e3 * tpot, "tokens_per_s": 1.0 / tpot}
-            log(f"[e2e] {name}: TTFT {ttft * 1e3:.1f} ms ({n_prompt} tokens), {1e3 * tpot:.2f} ms/token")
+            st = attention_state(data.k, data.v, idx, clustered_layout=name == "squeezed")
+            ttft, tpot, host = run(hook, st)
+            out[name] = {"ttft_s": ttft, "ms_per_token": 1e3 * tpot, "tokens_per_s": 1.0 / tpot,
+                         "host_dispatch_ms": 1e3 * host}
+            if name != "no-attention":
+                out[name]["attention_ms_per_layer"] = attn_layer_ms(hook, st)
+            log(f"[e2e] {name}: TTFT {ttft * 1e3:.1f} ms ({n_prompt} tokens), {1e3 * tpot:.2f} ms/token, "
+                f"dispatch {1e3 * host:.2f} ms, one layer's attention {out[name].get('attention_ms_per_layer', 0):.3f} ms")
+            del st
         except Exception as e:  # noqa: BLE001
             out[name] = {"error": _err(e)}
             log(f"[e2e] {name}: ERROR {_err(e)}")
@@ -402,28 +606,52 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
 # report
 # ---------------------------------------------------------------------------------------------
 
+_SHAPE_NAMES = {(32, 8): "Llama-3-8B", (32, 32): "Llama-2-7B"}
+
+
+def _f(x, nd: int = 3, suffix: str = "") -> str:
+    return "—" if x is None else f"{x:.{nd}f}{suffix}"
+
+
 def to_markdown(res: dict) -> str:
+    p = res["plan"]
+    shapes = [tuple(s) for s in p.get("shapes", [(p["hq"], p["hkv"])])]
     md = [f"# sqjax speed suite — {res['meta']['device']}", "",
-          f"jax {res['meta']['jax']}, commit {res['meta']['git_commit']}, keys: {res['keys']}, bf16, "
-          f"Hq={res['plan']['hq']}, Hkv={res['plan']['hkv']}, d={res['plan']['d']}, 5% centroids, n_sink=1, n_obs=100.", ""]
+          f"jax {res['meta']['jax']}, commit {res['meta']['git_commit']}, keys: {res['keys']}, bf16, d={p['d']}, "
+          f"(Hq, Hkv) = {', '.join(map(str, shapes))}, 5% centroids, n_sink=1, n_obs=100.", ""]
     off = res.get("offline")
     if off:
         md += ["## Offline: clustering + calibration", "",
                "| fixed context | layers × KV heads | 1-level | hierarchical |", "|---|---|---|---|",
                f"| {off['L']} | {off['layers']} × {off['Hkv']} | {off.get('squeezed_seconds', float('nan')):.1f} s | "
                f"{off.get('hsqueezed_seconds', float('nan')):.1f} s |", ""]
-    rows = [r for r in res.get("kernels", []) if "total_ms" in r]
-    if rows:
-        md += ["## Lookup + retrieval + sparse attention vs dense (ms, median)", "",
-               "| L | phase | sparsity | levels | kept | lookup | total | path | cuDNN dense | XLA dense | speedup vs best dense | TB/s |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
+    rows = [r for r in res.get("kernels", []) if "method" in r]
+    for shape in sorted({(r["Hq"], r["Hkv"]) for r in rows}, key=lambda s: (s not in shapes, s)):
+        name = _SHAPE_NAMES.get(shape)
+        md += [f"## Hq={shape[0]}, Hkv={shape[1]}, d={p['d']}{f' ({name} attention)' if name else ''}: "
+               "lookup + retrieval + sparse attention vs dense (ms, median)", "",
+               "| L | phase | method | level / budget | kept | lookup ms | total ms | path | cuDNN | XLA | Pallas dense "
+               "| speedup vs best dense | TB/s |", "|---" * 13 + "|"]
+        for r in (r for r in rows if (r["Hq"], r["Hkv"]) == shape):
             dn = r.get("dense_ms", {})
-            md.append(f"| {r['L']} | {r['phase']} | {r['sparsity']} | {2 if r['hierarchical'] else 1} | "
-                      f"{r.get('retrieved_frac', float('nan')):.3f} | {r['lookup_ms']:.3f} | {r['total_ms']:.3f} | {r.get('path', '')} | "
-                      f"{dn.get('cudnn', float('nan')):.3f} | {dn.get('xla', float('nan')):.3f} | "
-                      f"{r.get('speedup_vs_best_dense', float('nan')):.2f}× | {r.get('tb_per_s', float('nan')):.2f} |")
+            path = f"ERROR: {r['error'][:120]}" if "error" in r else r.get("path", "")
+            if "generic_total_ms" in r:
+                path += f" (library path {r['generic_total_ms']:.3f} ms)"
+            if r.get("overflow_heads"):
+                path += f"; {r['overflow_heads']} heads over the index capacity (library path capped)"
+            md.append(f"| {r['L']} | {r['phase']} | {r['method']} | {r['budget']} | {_f(r.get('retrieved_frac'))} | "
+                      f"{_f(r.get('lookup_ms'))} | {_f(r.get('total_ms'))} | {path} | {_f(dn.get('cudnn'))} | "
+                      f"{_f(dn.get('xla'))} | {_f(dn.get('pallas'))} | {_f(r.get('speedup_vs_best_dense'), 2, '×')} | "
+                      f"{_f(r.get('tb_per_s'), 2)} |")
         md.append("")
+    if rows:
+        md += ["QUEST and SAAP (decode): budget matched to the kept fraction of the 1-level Squeezed row at that "
+               "sparsity (QUEST: that fraction of L rounded up to 16-token pages; SAAP, nearest-centroid buckets: the "
+               "ℓ whose visited fraction on the timed queries is closest). SAAP reads the synthetic keys and queries as "
+               "already de-roped. Total = the method's own Pallas kernels; \"library path\" = `method.select` → "
+               "`sqjax.dispatch.attention`. Kept = fixed-context keys read / L; bytes = K+V rows read + metadata rows "
+               "(centroids, page bounds, bucket centroids), bf16. Speedup vs the fastest dense baseline of the same "
+               "run.", ""]
     e2e = res.get("e2e")
     if e2e and "squeezed" in e2e:
         md += ["## End to end: Llama-3-8B-shaped model (random bf16 weights), batch 1", "",
@@ -449,7 +677,9 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in res.get("kernels", []) if "total_ms" in r and r.get("dense_ms") and not r["hierarchical"]]
+    shape = list(res["plan"].get("shapes", [[res["plan"]["hq"], res["plan"]["hkv"]]])[0])
+    rows = [r for r in res.get("kernels", []) if "total_ms" in r and r.get("dense_ms") and r.get("method") == "squeezed"
+            and [r["Hq"], r["Hkv"]] == shape]
     if not rows:
         return
     length = max(r["L"] for r in rows)
@@ -461,7 +691,7 @@ def plot(res: dict, path: Path) -> None:
     ax.axhline(1.0, color="gray", ls="--", lw=1)
     ax.set_xlabel("sparsity (fraction of fixed-context keys pruned)")
     ax.set_ylabel("latency / best dense latency")
-    ax.set_title(f"Squeezed Attention, L={length}, {res['meta']['device']}")
+    ax.set_title(f"Squeezed Attention, L={length}, Hq/Hkv={shape[0]}/{shape[1]}, {res['meta']['device']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -484,6 +714,9 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--lengths", default="")
     ap.add_argument("--sparsities", default="")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: offline,kernels,e2e")
+    ap.add_argument("--no-offline-hierarchical", action="store_true", help="time only the 1-level offline build")
+    ap.add_argument("--only-kernels", action="store_true", help="= --skip offline,e2e")
+    ap.add_argument("--shapes", default="", help="kernel sweep (Hq, Hkv) shapes, e.g. 32x8,32x32")
     ap.add_argument("--budget-s", type=float, default=0.0)
     ap.add_argument("--phases", default="", help="decode,prefill (default both)")
     args = ap.parse_args(argv_or_args)
@@ -494,14 +727,18 @@ def main(argv_or_args=None) -> int:
         plan = dataclasses.replace(plan, lengths=tuple(int(x) for x in args.lengths.split(",")))
     if args.sparsities:
         plan = dataclasses.replace(plan, sparsities=tuple(float(x) for x in args.sparsities.split(",")))
+    if args.no_offline_hierarchical:
+        plan = dataclasses.replace(plan, offline_hierarchical=False)
     if args.phases:
         plan = dataclasses.replace(plan, phases=tuple(args.phases.split(",")))
     if args.budget_s:
         plan = dataclasses.replace(plan, deadline_s=args.budget_s)
+    if args.shapes:
+        plan = dataclasses.replace(plan, shapes=tuple(tuple(map(int, s.split("x"))) for s in args.shapes.split(",")))
     if not args.cpu_smoke and jax.default_backend() != "gpu":
         print("sqjax bench needs a GPU (use --cpu-smoke to check the plumbing)", file=sys.stderr)
         return 2
-    skip = set(filter(None, args.skip.split(",")))
+    skip = set(filter(None, args.skip.split(","))) | ({"offline", "e2e"} if args.only_kernels else set())
     t_start = time.perf_counter()
     deadline = t_start + plan.deadline_s
     out_dir = Path(args.out)
@@ -515,6 +752,12 @@ def main(argv_or_args=None) -> int:
 
     src = KeySource(args.keys, plan)
     res = {"meta": metadata(), "plan": dataclasses.asdict(plan), "keys": src.kind, "errors": errors}
+
+    def save():  # after every section (and every kernel length): a run cut short keeps what it measured
+        res["seconds"] = time.perf_counter() - t_start
+        write_json(out_dir / "speed.json", res)
+        (out_dir / "speed.md").write_text(to_markdown(res))
+
     offline = None
     if "offline" not in skip:
         try:
@@ -523,19 +766,20 @@ def main(argv_or_args=None) -> int:
         except Exception as e:  # noqa: BLE001
             log(f"[offline] ERROR {_err(e)}")
             traceback.print_exc()
+        save()
     if "e2e" not in skip:
         try:
             res["e2e"] = end_to_end(plan, src, log, offline)
         except Exception as e:  # noqa: BLE001
             log(f"[e2e] ERROR {_err(e)}")
             traceback.print_exc()
+        save()
     offline = None  # free the 128K x 32-layer context before the kernel sweep
     if "kernels" not in skip:
-        res["kernels"] = kernel_cases(plan, src, log, deadline, offline)
-    res["seconds"] = time.perf_counter() - t_start
-    write_json(out_dir / "speed.json", res)
+        res["kernels"] = kernel_cases(plan, src, log, deadline, offline,
+                                      on_rows=lambda rows: (res.__setitem__("kernels", rows), save()))
+    save()
     md = to_markdown(res)
-    (out_dir / "speed.md").write_text(md)
     try:
         plot(res, out_dir / "fig4_latency_vs_sparsity.png")
     except Exception as e:  # noqa: BLE001
