@@ -462,7 +462,7 @@ def _row_cluster(offsets, num_l):
   num_c = off.shape[1] - 1
   r = jnp.arange(num_l, dtype=jnp.int32)
   # rows in [off[c], off[c+1]) -> c (first such c: empty clusters are skipped)
-  cid = jax.vmap(lambda o: jnp.searchsorted(o[1:], r, side="right"))(off).astype(jnp.int32)
+  cid = jax.vmap(lambda o: jnp.searchsorted(o[1:], r, side="right", method="scan_unrolled"))(off).astype(jnp.int32)
   cid = jnp.minimum(cid, num_c)
   return jnp.where(r[None, :] < off[:, :1], -1, cid)
 

@@ -61,7 +61,7 @@ def children_csr(parent: jax.Array, num_level1: int, *,
   order = jnp.argsort(parent, axis=1, stable=True).astype(jnp.int32)
   sp = jnp.take_along_axis(parent, order, axis=1)
   bounds = jnp.arange(num_level1 + 1, dtype=parent.dtype)
-  offs = jax.vmap(lambda row: jnp.searchsorted(row, bounds, side="left"))(sp)
+  offs = jax.vmap(lambda row: jnp.searchsorted(row, bounds, side="left", method="scan_unrolled"))(sp)
   return offs.astype(jnp.int32), order
 
 
@@ -191,7 +191,7 @@ def hierarchical_lookup_reference(q, c1, n1, c2, n2, child_offsets, children, t1
   sel1 = (n1[kvh] > 0) & (s1 > t1)                                       # [Hs, C1]
   # Parent of each level-2 cluster from the CSR ranges (-1 if in no range).
   i = jnp.arange(num_c2)
-  rng_of = jax.vmap(lambda o: jnp.searchsorted(o, i, side="right") - 1)(child_offsets)
+  rng_of = jax.vmap(lambda o: jnp.searchsorted(o, i, side="right", method="scan_unrolled") - 1)(child_offsets)
   in_rng = (rng_of >= 0) & (rng_of < num_c1)
   parent = jnp.full((hkv, num_c2), -1, jnp.int32).at[
       jnp.arange(hkv)[:, None], children].set(jnp.where(in_rng, rng_of, -1).astype(jnp.int32),

@@ -115,7 +115,7 @@ def _kmeans_pp(xn: jax.Array, n_clusters: int, key: jax.Array) -> jax.Array:
         cdf = jnp.cumsum(dist)
         total = cdf[-1]
         u = jax.random.uniform(sub, (), jnp.float32)
-        idx_d2 = jnp.searchsorted(cdf, u * total, side="right")
+        idx_d2 = jnp.searchsorted(cdf, u * total, side="right", method="scan_unrolled")
         idx = jnp.where(total > 0, jnp.minimum(idx_d2, n - 1), jnp.minimum((u * n).astype(jnp.int32), n - 1))
         c = xn[idx]
         centers = centers.at[i].set(c)

@@ -27,7 +27,7 @@ def _draw(weights: jax.Array, key: jax.Array) -> jax.Array:
     """Index drawn with probability ∝ weights (inverse CDF, one uniform)."""
     cdf = jnp.cumsum(weights)
     u = jax.random.uniform(key, (), jnp.float32)
-    return jnp.minimum(jnp.searchsorted(cdf, u * cdf[-1], side="right"), weights.shape[0] - 1)
+    return jnp.minimum(jnp.searchsorted(cdf, u * cdf[-1], side="right", method="scan_unrolled"), weights.shape[0] - 1)
 
 
 def _masked_kmeans_pp(xn: jax.Array, valid: jax.Array, n_clusters: int, key: jax.Array) -> jax.Array:

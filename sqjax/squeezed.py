@@ -202,7 +202,7 @@ def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_cluste
     cum_keep = jnp.cumsum(n_keep)
     total = cum_keep[-1] if n_keep.shape[0] else jnp.int32(0)
     slots = jnp.arange(budget, dtype=jnp.int32)
-    r = jnp.searchsorted(cum_keep, slots, side="right")
+    r = jnp.searchsorted(cum_keep, slots, side="right", method="scan_unrolled")
     r = jnp.minimum(r, order.shape[0] - 1)
     c = order[r]
     start = cum_keep[r] - n_keep[r]
