@@ -126,6 +126,16 @@ def auto_chunk(n_keys: int, n_parallel: int, cfg: AttentionConfig, explicit: int
   return cm.cdiv(cm.cdiv(n_keys, n_chunks), bk) * bk
 
 
+def work_plan(hq: int, seq_len: int, d: int, groups: int, n_fixed: int, num_s: int,
+              config: AttentionConfig | None):
+  """(cfg, row layout, keys per fixed-context item, keys per new-key item) for an op with
+  ``groups`` row groups and ``n_fixed`` fixed-context keys per group."""
+  cfg = config or default_config(seq_len, d)
+  lay = row_layout(hq, seq_len, groups, cfg)
+  par = lay.n_qb * groups
+  return cfg, lay, auto_chunk(n_fixed, par, cfg, cfg.chunk_k), auto_chunk(num_s, par, cfg, cfg.chunk_new)
+
+
 def compact_items(items: jax.Array, active: jax.Array) -> jax.Array:
   """items [W, 8] int32, active [W] bool -> table [W, 8] with active rows first.
 

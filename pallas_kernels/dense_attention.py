@@ -86,11 +86,7 @@ def dense_decode_attention(
   hq, seq_len, d = q3.shape
   hkv, num_l, _ = k.shape
   num_s = k_new.shape[1]
-  cfg = config or core.default_config(seq_len, d)
-  lay = core.row_layout(hq, seq_len, hkv, cfg)
-  par = lay.n_qb * hkv
-  chunk = core.auto_chunk(num_l, par, cfg, cfg.chunk_k)
-  chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
+  cfg, lay, chunk, chunk_new = core.work_plan(hq, seq_len, d, hkv, num_l, num_s, config)
   ranges = [(0, num_l)]
   wg = max(1, core.n_range_and_new_items(ranges, num_s, chunk, chunk_new))
   blocks, actives = core.range_and_new_blocks(hkv, ranges, num_s, chunk, chunk_new, 0, wg)

@@ -254,11 +254,7 @@ def quest_decode_attention(
   hs, n_pages = page_idx.shape
   num_s = k_new.shape[1]
   n_rows = n_pages * page_size
-  cfg = config or core.default_config(seq_len, d)
-  lay = core.row_layout(hq, seq_len, hs, cfg)
-  par = lay.n_qb * hs
-  chunk = core.auto_chunk(n_rows, par, cfg, cfg.chunk_k)
-  chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
+  cfg, lay, chunk, chunk_new = core.work_plan(hq, seq_len, d, hs, n_rows, num_s, config)
   n_sc = cm.cdiv(n_rows, chunk)
   n_nc = cm.cdiv(num_s, chunk_new) if num_s else 0
   wg = n_sc + n_nc

@@ -150,13 +150,9 @@ def saap_attention(
   num_b = off.shape[1] - 1
   ell = bucket_idx.shape[1]
   num_s = k_new.shape[1]
-  cfg = config or core.default_config(seq_len, d)
-  lay = core.row_layout(hq, seq_len, hkv, cfg)
   ranges = _dense_ranges(num_l, n_sink, n_recent)
   n_dense = sum(hi - lo for lo, hi in ranges)
-  par = lay.n_qb * hkv
-  chunk = core.auto_chunk(n_dense, par, cfg, cfg.chunk_k)
-  chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
+  cfg, lay, chunk, chunk_new = core.work_plan(hq, seq_len, d, hkv, n_dense, num_s, config)
   wg = max(1, ell + core.n_range_and_new_items(ranges, num_s, chunk, chunk_new))
   kvs = jnp.arange(hkv, dtype=jnp.int32)[:, None]
   blocks, actives = [], []

@@ -145,11 +145,7 @@ def sparse_attention(
   hq, seq_len, d = q.shape
   hs, cap = idx.shape
   num_s = k_new.shape[1]
-  cfg = config or core.default_config(seq_len, d)
-  lay = core.row_layout(hq, seq_len, hs, cfg)
-  par = lay.n_qb * hs
-  chunk = core.auto_chunk(cap, par, cfg, cfg.chunk_k)
-  chunk_new = core.auto_chunk(num_s, par, cfg, cfg.chunk_new)
+  cfg, lay, chunk, chunk_new = core.work_plan(hq, seq_len, d, hs, cap, num_s, config)
   n_sc = cm.cdiv(cap, chunk) if cap else 0
   n_nc = cm.cdiv(num_s, chunk_new) if num_s else 0
   wg = max(1, n_sc + n_nc)
