@@ -64,7 +64,8 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     """Exact attention over a selection of the fixed context + the causal user input.
 
     Dense selections (mask None: full attention, dense layers) go to the split-KV dense kernel;
-    compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel;
+    compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel,
+    QUEST's pages and SAAP's buckets (decode) to their kernels;
     masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
     """
     b = resolved()
@@ -77,7 +78,15 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
         return dense_decode_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, backend=b)
     if b == "reference" or ret is None:
         return fixed_context_attention(q, k_fixed, v_fixed, selection.mask, k_new, v_new, q_pos, kv_pos, scale)
-    from pallas_kernels import gather_then_dense_attention, sparse_attention
+    from pallas_kernels import gather_then_dense_attention, quest_decode_attention, saap_attention, sparse_attention
+    from sqjax.selection import Buckets, Pages
+
+    if isinstance(ret, Pages):  # QUEST decode: page-sparse split-KV kernel
+        return quest_decode_attention(q, k_fixed, v_fixed, ret.page_idx, k_new, v_new, q_pos, kv_pos,
+                                      scale=scale, page_size=ret.page_size, backend=b)
+    if isinstance(ret, Buckets):  # SAAP decode: one program per visited bucket + the dense part
+        return saap_attention(q, k_fixed, v_fixed, ret.off, ret.lst, ret.bucket_idx, k_new, v_new, q_pos, kv_pos,
+                              scale=scale, n_sink=ret.n_sink, n_recent=ret.n_recent, backend=b)
 
     if q.shape[1] > 1 and b == "pallas":
         # prefill: gather the retrieved rows compactly, then cuDNN (1.9x faster than the

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from sqjax import baselines, quest, saap, snapkv, squeezed
 from sqjax._checks import check_fraction, check_rank
-from sqjax.selection import Selection, dense_selection, from_mask
+from sqjax.selection import Buckets, Pages, Selection, dense_selection, from_mask
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +99,15 @@ class Method:
     @property
     def label(self) -> str:
         return self.name
+
+
+def _kernel_backend(q) -> str | None:
+    """The Pallas backend ("pallas" or "interpret") for a one-token lookup, else None
+    (blocks of tokens and the reference backend keep the per-token masks)."""
+    from sqjax import dispatch
+
+    b = dispatch.resolved()
+    return b if (q.shape[1] == 1 and b != "reference") else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,10 +233,20 @@ class Quest(BudgetMethod):
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]
         kmin, kmax = index["kmin"][layer], index["kmax"][layer]
-        scores = quest.page_scores(q, kmin, kmax, self.vote)  # [Hs, T, P]
-        pages = quest.select_pages(scores, self.n_pages(length), forced_page=scores.shape[-1] - 1)
+        n_p = kmin.shape[1]
+        backend = _kernel_backend(q)
+        if backend:  # decode on a Pallas backend: page scores + top-K pages for the page-sparse kernel
+            from pallas_kernels import quest_page_scores, quest_select
+
+            scores = quest_page_scores(q[:, 0], kmin, kmax, vote=self.vote, backend=backend)  # [Hs, P]
+            page_idx = quest_select(scores, self.n_pages(length), force_page=n_p - 1)
+            pages = jnp.any(jnp.arange(n_p)[None, None, :] == page_idx[:, :, None], axis=1)[:, None, :]
+        else:
+            scores = quest.page_scores(q, kmin, kmax, self.vote)  # [Hs, T, P]
+            pages = quest.select_pages(scores, self.n_pages(length), forced_page=n_p - 1)
         mask = quest.pages_to_keys(pages, length, self.page)
-        return from_mask(mask, meta_rows=2.0 * kmin.shape[1])
+        sel = from_mask(mask, meta_rows=2.0 * n_p)
+        return sel._replace(retrieval=Pages(page_idx, self.page)) if backend else sel
 
     def expected_budget(self, length: int) -> float:
         n_pages = -(-length // self.page)
@@ -378,9 +397,19 @@ class Saap(Method):
         else:
             scores = saap.nearest_centroid_scores(q_pre, unit)
             meta = float(unit.shape[-2])  # C key-sized centroid rows per KV head
-        visited = saap.visited_buckets(scores, self.probes)
+        backend = _kernel_backend(q)
+        if backend:  # decode on a Pallas backend: the visited buckets' ids for the bucket kernel
+            probes = min(self.probes, scores.shape[-1])
+            bucket_idx = jax.lax.top_k(scores[:, 0], probes)[1].astype(jnp.int32)  # [Hkv, l]
+            visited = jnp.any(jnp.arange(scores.shape[-1]) == bucket_idx[:, :, None], axis=1)[:, None, :]
+        else:
+            visited = saap.visited_buckets(scores, self.probes)
         mask = saap.saap_mask(visited, index["labels"][layer], saap.dense_part(length, self.n_sink, n_recent))
-        return from_mask(mask, meta_rows=meta)
+        sel = from_mask(mask, meta_rows=meta)
+        if backend:
+            sel = sel._replace(retrieval=Buckets(index["off"][layer], index["lst"][layer], bucket_idx,
+                                                 self.n_sink, n_recent))
+        return sel
 
     def expected_budget(self, length: int) -> float:
         c, n_recent = self.sizes(length)

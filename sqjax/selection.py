@@ -3,7 +3,9 @@
 `Selection.mask` [Hs, Ts, L] marks the fixed-context keys attended (Ts = 1: one set for the
 whole query block; Ts = T: one set per token). `kv_rows` and `meta_rows` count what the
 lookup and the attention read, in key-sized rows, for the KV-budget accounting (`budget.py`).
-`retrieval` carries the compact index form (positions + counts) when the method has one.
+`retrieval` carries the compact form a GPU kernel reads, when the method has one: positions +
+counts (`squeezed.Retrieval`), QUEST's selected pages (`Pages`) or SAAP's visited buckets
+(`Buckets`); `sqjax.dispatch.attention` picks the kernel by its type.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ class Selection(NamedTuple):
     meta_rows: jax.Array     # [Hs, Ts] f32 key-sized metadata rows read (centroids, page bounds, ...)
     overflow: jax.Array      # [Hs] bool: a capacity was exceeded (see the method's overflow policy)
     retrieval: object = None  # squeezed.Retrieval (idx [Hs,cap], count [Hs]) or None
+
+
+class Pages(NamedTuple):
+    """QUEST decode on the Pallas path: the selected pages of each selection head."""
+
+    page_idx: jax.Array  # [Hs, K] int32 page ids (-1 = none)
+    page_size: int
+
+
+class Buckets(NamedTuple):
+    """SAAP decode on the Pallas path: CSR inverted lists and the visited buckets."""
+
+    off: jax.Array         # [Hkv, C + 1] int32
+    lst: jax.Array         # [Hkv, N] int32 key positions grouped by bucket
+    bucket_idx: jax.Array  # [Hkv, l] int32 visited buckets
+    n_sink: int            # the dense part: the first n_sink and the last n_recent positions
+    n_recent: int
 
 
 def topk_mask(scores: jax.Array, k: int) -> jax.Array:

@@ -232,3 +232,45 @@ def test_full_attention_gpu_path_equals_reference(model):
         logits[backend] = (np.asarray(lg1), np.asarray(lg2))
     for got, want in zip(logits["interpret"], logits["reference"]):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("make", [lambda: sqjax.methods.Quest(budget=0.3, dense_layers=1),
+                                  lambda: sqjax.methods.Saap(probes=4)], ids=["quest", "saap"])
+def test_quest_and_saap_decode_kernel_paths_equal_reference(model, make):
+    """On a Pallas backend (here the interpreter) a decode step of QUEST / SAAP runs the
+    page-sparse / bucket kernels through `sqjax.dispatch`; the logits equal the mask path's."""
+    from models.forward import forward_jit
+
+    ctx = FixedContext.build(model, DOC, make(), chat=False)
+    logits = {}
+    for backend in ("reference", "interpret"):
+        hook = dataclasses.replace(ctx._hook, backend=backend)
+        lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321]]), jnp.asarray([[ctx.n_tokens]]),
+                               ctx._new_cache(8), attn_fn=hook, attn_state=ctx._state, logits="last")
+        logits[backend] = np.asarray(lg)
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+def test_quest_and_saap_selections_carry_kernel_payloads(rng):
+    """The Pallas-path selections hold the pages / buckets their kernels read, consistent with the
+    masks used for the accounting."""
+    from sqjax import dispatch
+    from sqjax.methods import ContextData, Quest, Saap
+    from sqjax.selection import Buckets, Pages
+
+    k = jnp.asarray(rng.normal(size=(1, 2, 300, 16)), jnp.float32)
+    data = ContextData(k, k, jnp.asarray(rng.normal(size=(1, 4, 40, 16)), jnp.float32), scale=0.25, k_pre=k)
+    q = jnp.asarray(rng.normal(size=(4, 1, 16)), jnp.float32)
+    for m in (Quest(budget=0.2, dense_layers=0), Saap(probes=3, dense_layers=0)):
+        index, _ = m.build(data)
+        with dispatch.using("interpret"):
+            sel = m.select(index, 0, q, q, k[0])
+        with dispatch.using("reference"):
+            ref = m.select(index, 0, q, q, k[0])
+        np.testing.assert_array_equal(np.asarray(sel.mask), np.asarray(ref.mask))
+        np.testing.assert_array_equal(np.asarray(sel.kv_rows), np.asarray(ref.kv_rows))
+        if isinstance(m, Quest):
+            assert isinstance(sel.retrieval, Pages) and sel.retrieval.page_idx.shape == (2, m.n_pages(300))
+        else:
+            assert isinstance(sel.retrieval, Buckets) and sel.retrieval.bucket_idx.shape == (2, 3)
+        assert ref.retrieval is None
