@@ -101,6 +101,12 @@ class Method:
         return self.name
 
 
+def _ids_to_mask(ids: jax.Array, n: int) -> jax.Array:
+    """ids [H, K] int (−1 = none) -> bool [H, n] (a scatter: no [H, K, n] intermediate)."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.zeros((ids.shape[0], n), bool).at[rows, jnp.where(ids >= 0, ids, n)].set(True, mode="drop")
+
+
 def _kernel_backend(q) -> str | None:
     """The Pallas backend ("pallas" or "interpret") for a one-token lookup, else None
     (blocks of tokens and the reference backend keep the per-token masks)."""
@@ -240,7 +246,7 @@ class Quest(BudgetMethod):
 
             scores = quest_page_scores(q[:, 0], kmin, kmax, vote=self.vote, backend=backend)  # [Hs, P]
             page_idx = quest_select(scores, self.n_pages(length), force_page=n_p - 1)
-            pages = jnp.any(jnp.arange(n_p)[None, None, :] == page_idx[:, :, None], axis=1)[:, None, :]
+            pages = _ids_to_mask(page_idx, n_p)[:, None, :]
         else:
             scores = quest.page_scores(q, kmin, kmax, self.vote)  # [Hs, T, P]
             pages = quest.select_pages(scores, self.n_pages(length), forced_page=n_p - 1)
@@ -401,7 +407,7 @@ class Saap(Method):
         if backend:  # decode on a Pallas backend: the visited buckets' ids for the bucket kernel
             probes = min(self.probes, scores.shape[-1])
             bucket_idx = jax.lax.top_k(scores[:, 0], probes)[1].astype(jnp.int32)  # [Hkv, l]
-            visited = jnp.any(jnp.arange(scores.shape[-1]) == bucket_idx[:, :, None], axis=1)[:, None, :]
+            visited = _ids_to_mask(bucket_idx, scores.shape[-1])[:, None, :]
         else:
             visited = saap.visited_buckets(scores, self.probes)
         mask = saap.saap_mask(visited, index["labels"][layer], saap.dense_part(length, self.n_sink, n_recent))
