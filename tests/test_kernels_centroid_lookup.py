@@ -1,7 +1,4 @@
 """Centroid lookup (Eq. 1): Pallas interpret vs reference vs brute-force numpy."""
-import os
-import random
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -11,16 +8,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_decode,
                                             centroid_lookup_prefill, centroid_lookup_reference)
-
-RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
-
-
-@pytest.fixture
-def rng(request):
-  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
-  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
-  return np.random.default_rng(seed)
-
 
 def brute_scores(q, cent, counts, scale, vote):
   """Eq. 1 by loops in float64; q [Hq, T, d] -> [Hs, C]."""

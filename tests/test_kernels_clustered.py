@@ -5,9 +5,6 @@ independent numpy brute force (float64 loops over explicit row sets), the layout
 helper, the Triton lowering at Llama-3-8B shapes (with the MLIR verifier that
 catches loop-bound type mismatches), and the GPU script's clustered checks.
 """
-import os
-import random
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +18,11 @@ from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_la
                                                 clustered_prefill_attention,
                                                 clustered_prefill_attention_reference)
 
-RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
 BF = jnp.bfloat16
 # Small tiles so the test shapes exercise several programs, sub-blocks, tiles per
 # cluster (clusters bigger than block_k), new-part chunks and exact-part programs.
 SMALL = ClusteredConfig(block_c=16, block_clusters=32, sub_clusters=16, block_k=16,
                         chunk_new=16, exact_programs=2)
-
-
-@pytest.fixture
-def rng(request):
-  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
-  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
-  return np.random.default_rng(seed)
 
 
 # ----------------------------------------------------------------------------

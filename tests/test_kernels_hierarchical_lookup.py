@@ -1,7 +1,4 @@
 """Hierarchical lookup (Eq. 2-3): Pallas interpret vs reference vs brute-force numpy."""
-import os
-import random
-import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,16 +9,6 @@ from pallas_kernels.centroid_lookup import CentroidLookupConfig, centroid_lookup
 from pallas_kernels.hierarchical_lookup import (children_csr, hierarchical_lookup_decode,
                                                 hierarchical_lookup_prefill,
                                                 hierarchical_lookup_reference)
-
-RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
-
-
-@pytest.fixture
-def rng(request):
-  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
-  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
-  return np.random.default_rng(seed)
-
 
 def _eq1_rows(qh, cent, counts, allowed, scale):
   """Mean over tokens of Eq. 1 for one query head; qh [T, d]; allowed: set of ids."""

@@ -1,7 +1,4 @@
 """QUEST page scores, selection and page-sparse decode: interpret vs reference vs numpy."""
-import os
-import random
-import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,16 +7,6 @@ import pytest
 from pallas_kernels.quest import (AttentionConfig, QuestScoreConfig, quest_decode_attention,
                                   quest_decode_attention_reference, quest_page_minmax,
                                   quest_page_scores, quest_page_scores_reference, quest_select)
-
-RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
-
-
-@pytest.fixture
-def rng(request):
-  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
-  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
-  return np.random.default_rng(seed)
-
 
 def brute_minmax(k, page):
   k = np.asarray(k, np.float64)

@@ -1,7 +1,4 @@
 """SAAP bucket attention: interpret vs reference vs brute-force numpy."""
-import os
-import random
-import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,16 +7,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels.saap_attention import (AttentionConfig, saap_attention,
                                            saap_attention_reference)
-
-RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
-
-
-@pytest.fixture
-def rng(request):
-  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
-  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
-  return np.random.default_rng(seed)
-
 
 def brute_saap(q, k, v, off, lst, bucket_idx, k_new, v_new, q_pos, kv_pos, scale, n_sink,
                n_recent):

@@ -1,7 +1,4 @@
 """Sparse attention over retrieved keys + causal new part: interpret vs reference vs numpy."""
-import os
-import random
-import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,16 +9,6 @@ from pallas_kernels import _attention_core as core
 from pallas_kernels.sparse_attention import (AttentionConfig, clusters_to_indices,
                                              gather_then_dense_attention, sparse_attention,
                                              sparse_attention_reference)
-
-RUN_SEED = int(os.environ.get("SQJAX_TEST_SEED", random.randrange(2**31)))
-
-
-@pytest.fixture
-def rng(request):
-  seed = (zlib.crc32(request.node.nodeid.encode()) + RUN_SEED) % 2**32
-  print(f"seed={seed} (SQJAX_TEST_SEED={RUN_SEED})")
-  return np.random.default_rng(seed)
-
 
 def brute_attention(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new, scale):
   """Loops in float64: returns (o [Hq, T, d], lse [Hq, T]); duplicates counted."""
