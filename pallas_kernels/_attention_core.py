@@ -170,6 +170,17 @@ def build_table(blocks, actives, groups: int):
   return table, active
 
 
+def _new_key_block(grp, num_s: int, chunk_new: int, first_slot: int, wg: int):
+  """Items for the user input's keys in ``chunk_new``-key ranges (slots ``first_slot`` on)."""
+  n_nc = cdiv_static(num_s, chunk_new) if num_s else 0
+  if not n_nc:
+    return [], []
+  c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
+  lo = c * chunk_new
+  return ([make_items(grp, KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s), grp, grp * wg + first_slot + c)],
+          [jnp.ones((grp.shape[0], n_nc), bool)])
+
+
 def range_and_new_blocks(groups: int, ranges, num_s: int, chunk: int, chunk_new: int,
                          first_slot: int, wg: int):
   """Item blocks for static fixed-context ranges split in ``chunk``-key items, then the
@@ -178,7 +189,6 @@ def range_and_new_blocks(groups: int, ranges, num_s: int, chunk: int, chunk_new:
   ranges: static disjoint [(lo, hi)].  Returns (blocks, actives) for ``build_table``.
   """
   items = [(a, min(a + chunk, hi)) for lo, hi in ranges for a in range(lo, hi, chunk)]
-  n_nc = cdiv_static(num_s, chunk_new) if num_s else 0
   grp = jnp.arange(groups, dtype=jnp.int32)[:, None]
   blocks, actives = [], []
   if items:
@@ -186,13 +196,31 @@ def range_and_new_blocks(groups: int, ranges, num_s: int, chunk: int, chunk_new:
     c = first_slot + jnp.arange(len(items), dtype=jnp.int32)[None, :]
     blocks.append(make_items(grp, KIND_RANGE, arr[None, :, 0], arr[None, :, 1], grp, grp * wg + c))
     actives.append(jnp.ones((groups, len(items)), bool))
-  if n_nc:
-    c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
-    lo = c * chunk_new
-    blocks.append(make_items(grp, KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s), grp,
-                             grp * wg + first_slot + len(items) + c))
-    actives.append(jnp.ones((groups, n_nc), bool))
-  return blocks, actives
+  nb, na = _new_key_block(grp, num_s, chunk_new, first_slot + len(items), wg)
+  return blocks + nb, actives + na
+
+
+def list_and_new_blocks(groups: int, n_list: int, counts, num_s: int, chunk: int, chunk_new: int):
+  """Item blocks for each group's list ``lists[g, :n_list]`` in ``chunk``-entry items (only
+  the first ``counts[g]`` entries when ``counts`` [G] is given), then the user input's keys.
+
+  Returns (blocks, actives, wg) for ``build_table`` (``wg`` slots per group).
+  """
+  n_sc = cdiv_static(n_list, chunk) if n_list else 0
+  wg = max(1, n_sc + (cdiv_static(num_s, chunk_new) if num_s else 0))
+  grp = jnp.arange(groups, dtype=jnp.int32)[:, None]
+  blocks, actives = [], []
+  if n_sc:
+    c = jnp.arange(n_sc, dtype=jnp.int32)[None, :]
+    lo = c * chunk
+    if counts is None:
+      hi, act = jnp.minimum(lo + chunk, n_list), jnp.ones((groups, n_sc), bool)
+    else:
+      hi, act = jnp.minimum(counts[:, None], lo + chunk), jnp.broadcast_to(lo < counts[:, None], (groups, n_sc))
+    blocks.append(make_items(grp, KIND_LIST, lo, hi, grp, grp * wg + c))
+    actives.append(act)
+  nb, na = _new_key_block(grp, num_s, chunk_new, n_sc, wg)
+  return blocks + nb, actives + na, wg
 
 
 def n_range_and_new_items(ranges, num_s: int, chunk: int, chunk_new: int) -> int:

@@ -255,21 +255,7 @@ def quest_decode_attention(
   num_s = k_new.shape[1]
   n_rows = n_pages * page_size
   cfg, lay, chunk, chunk_new = core.work_plan(hq, seq_len, d, hs, n_rows, num_s, config)
-  n_sc = cm.cdiv(n_rows, chunk)
-  n_nc = cm.cdiv(num_s, chunk_new) if num_s else 0
-  wg = n_sc + n_nc
-  sel = jnp.arange(hs, dtype=jnp.int32)[:, None]
-  c = jnp.arange(n_sc, dtype=jnp.int32)[None, :]
-  lo = c * chunk
-  blocks = [core.make_items(sel, core.KIND_LIST, lo, jnp.minimum(lo + chunk, n_rows), sel,
-                            sel * wg + c)]
-  actives = [jnp.ones((hs, n_sc), bool)]
-  if n_nc:
-    c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
-    lo = c * chunk_new
-    blocks.append(core.make_items(sel, core.KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s),
-                                  sel, sel * wg + n_sc + c))
-    actives.append(jnp.ones((hs, n_nc), bool))
+  blocks, actives, wg = core.list_and_new_blocks(hs, n_rows, None, num_s, chunk, chunk_new)
   table, active = core.build_table(blocks, actives, hs)
   o, m, l = core.attention_partials(
       q3, k, v, k_new if num_s else None, v_new, q_pos, kv_pos_new, page_idx, table,

@@ -146,24 +146,8 @@ def sparse_attention(
   hs, cap = idx.shape
   num_s = k_new.shape[1]
   cfg, lay, chunk, chunk_new = core.work_plan(hq, seq_len, d, hs, cap, num_s, config)
-  n_sc = cm.cdiv(cap, chunk) if cap else 0
-  n_nc = cm.cdiv(num_s, chunk_new) if num_s else 0
-  wg = max(1, n_sc + n_nc)
   cnt = jnp.clip(counts, 0, cap)
-  sel = jnp.arange(hs, dtype=jnp.int32)[:, None]
-  blocks, actives = [], []
-  if n_sc:
-    c = jnp.arange(n_sc, dtype=jnp.int32)[None, :]
-    lo = c * chunk
-    blocks.append(core.make_items(sel, core.KIND_LIST, lo, jnp.minimum(cnt[:, None], lo + chunk),
-                                  sel, sel * wg + c))
-    actives.append(jnp.broadcast_to(lo < cnt[:, None], (hs, n_sc)))
-  if n_nc:
-    c = jnp.arange(n_nc, dtype=jnp.int32)[None, :]
-    lo = c * chunk_new
-    blocks.append(core.make_items(sel, core.KIND_NEW, lo, jnp.minimum(lo + chunk_new, num_s),
-                                  sel, sel * wg + n_sc + c))
-    actives.append(jnp.ones((hs, n_nc), bool))
+  blocks, actives, wg = core.list_and_new_blocks(hs, cap, cnt, num_s, chunk, chunk_new)
   table, active = core.build_table(blocks, actives, hs)
   o, m, l = core.attention_partials(
       q, k, v, k_new if num_s else None, v_new, q_pos, kv_pos_new, idx if cap else None, table,
