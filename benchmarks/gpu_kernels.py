@@ -233,6 +233,23 @@ def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poi
               kn=b(kn), vn=b(vn), qp=i(qp), kvp=i(kvp))
 
 
+def _run_check(log, results: list, name: str, fn, tol: float) -> None:
+  """Runs one compiled-vs-reference check ``fn() -> (max_rel_err, extra)``; records and logs it."""
+  t0 = time.perf_counter()
+  rec = {"name": name, "tol": tol}
+  try:
+    with jax.default_matmul_precision("highest"):
+      err, extra = fn()
+    rec.update(status="PASS" if err <= tol else "FAIL", max_rel_err=err, **extra)
+  except Exception as e:  # noqa: BLE001 - report and continue
+    rec.update(status="ERROR", error=short_error(e))
+    traceback.print_exc(file=sys.stderr)
+  rec["seconds"] = round(time.perf_counter() - t0, 2)
+  log(f"[check] {rec['status']:5s} {name:44s} max_rel_err={rec.get('max_rel_err', float('nan')):.3g}"
+      f" (tol {tol}) {rec.get('error', '')}")
+  results.append(rec)
+
+
 def run_checks(plan: Plan, log) -> list[dict]:
   if plan.checks == "none":
     return []
@@ -245,20 +262,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
   scale = d ** -0.5
   results = []
 
-  def check(name, fn, tol):
-    t0 = time.perf_counter()
-    rec = {"name": name, "tol": tol}
-    try:
-      with jax.default_matmul_precision("highest"):
-        err, extra = fn()
-      rec.update(status="PASS" if err <= tol else "FAIL", max_rel_err=err, **extra)
-    except Exception as e:  # noqa: BLE001 - report and continue
-      rec.update(status="ERROR", error=short_error(e))
-      traceback.print_exc(file=sys.stderr)
-    rec["seconds"] = round(time.perf_counter() - t0, 2)
-    log(f"[check] {rec['status']:5s} {name:44s} max_rel_err={rec.get('max_rel_err', float('nan')):.3g}"
-        f" (tol {tol}) {rec.get('error', '')}")
-    results.append(rec)
+  check = functools.partial(_run_check, log, results)
 
   def lookup_case(vote, prefill):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
@@ -447,20 +451,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     return (float("inf") if bad else err), {"selection_flips": flips, "rows_max_diff": rows_diff,
                                             "nan": nan}
 
-  def check(name, fn, tol):
-    t0 = time.perf_counter()
-    rec = {"name": name, "tol": tol}
-    try:
-      with jax.default_matmul_precision("highest"):
-        err, extra = fn()
-      rec.update(status="PASS" if err <= tol else "FAIL", max_rel_err=err, **extra)
-    except Exception as e:  # noqa: BLE001 - report and continue
-      rec.update(status="ERROR", error=short_error(e))
-      traceback.print_exc(file=sys.stderr)
-    rec["seconds"] = round(time.perf_counter() - t0, 2)
-    log(f"[check] {rec['status']:5s} {name:44s} max_rel_err={rec.get('max_rel_err', float('nan')):.3g}"
-        f" (tol {tol}) {rec.get('error', '')}")
-    results.append(rec)
+  check = functools.partial(_run_check, log, results)
 
   check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
   check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)

@@ -179,13 +179,7 @@ def run(args) -> int:
 
         # stage 1: activations
         t0 = time.perf_counter()
-        act_dirs = []
-        for i, doc in enumerate(train_docs):
-            dd = data.collect_document(model, doc, out / "data" / "train" / f"doc_{i:04d}", cfg_eff, index=i, log=_log)
-            if dd is not None:
-                act_dirs.append(dd)
-        if not act_dirs:
-            raise ValueError("no training document is long enough (min_tokens)")
+        act_dirs = _collect(model, train_docs, out / "data" / "train", cfg_eff, 0, "training")
         stages["collect_train_s"] = time.perf_counter() - t0
 
         # stage 2: k-means
@@ -240,14 +234,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     clf = load_classifier(out / "classifier", num_layers=mc.num_layers, num_heads=mc.num_heads,
                           num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-    held_dirs = []
-    for i, doc in enumerate(held_docs):
-        dd = data.collect_document(model, doc, out / "data" / "heldout" / f"doc_{i:04d}", cfg_eff,
-                                   index=1_000_000 + i, log=_log)
-        if dd is not None:
-            held_dirs.append(dd)
-    if not held_dirs:
-        raise ValueError("no held-out document is long enough (min_tokens)")
+    held_dirs = _collect(model, held_docs, out / "data" / "heldout", cfg_eff, 1_000_000, "held-out")
     stages["collect_heldout_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     unit_roped = data.load_array(out / "data" / "kmeans" / "unit_centroids_roped.npy")
@@ -284,6 +271,16 @@ def run(args) -> int:
     _log(f"evaluation written to {paths['md']}")
     print(paths["md"].read_text())
     return 0
+
+
+def _collect(model, docs, folder: Path, cfg, first_index: int, what: str) -> list:
+    """Activations of every long-enough document, one shard folder each; error if none qualifies."""
+    dirs = [dd for i, doc in enumerate(docs)
+            if (dd := data.collect_document(model, doc, folder / f"doc_{i:04d}", cfg, index=first_index + i,
+                                            log=_log)) is not None]
+    if not dirs:
+        raise ValueError(f"no {what} document is long enough (min_tokens)")
+    return dirs
 
 
 def main(argv: list[str] | None = None) -> int:
