@@ -326,9 +326,15 @@ def _finish(scores, counts, threshold, vote, hq):
   return selected, scores
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote"))
-def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="kv"):
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "reduce_stats"))
+def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="kv",
+                              reduce_stats=None):
   """Plain-jnp Eq. 1.  q [Hq, T, d] (prefill: mean over T) or [Hq, d] (decode).
+
+  ``reduce_stats`` (optional, static): maps this call's softmax statistics
+  ``(max, denominator)`` [Hkv, g, T, 1] to the global ones (e.g. combined over the
+  devices holding other slices of the context), so that ``S`` is normalised by
+  the denominator of Eq. 1 over *all* clusters.
 
   Returns (selected [Hs, C] bool, scores [Hs, C] f32).
   """
@@ -345,6 +351,9 @@ def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="k
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
   e = jnp.where(valid, jnp.exp(logits - mx), 0.0)
   den = jnp.sum(e * counts[:, None, None, :].astype(jnp.float32), axis=-1, keepdims=True)
+  if reduce_stats is not None:
+    mx, den = reduce_stats(mx, den)
+    e = jnp.where(valid, jnp.exp(logits - mx), 0.0)
   s = jnp.where(den > 0, e / jnp.where(den > 0, den, 1.0), 0.0)   # [Hkv, g, T, C]
   s = jnp.mean(s, axis=2)
   s = jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, num_c)

@@ -115,7 +115,8 @@ __all__ = [
     "weighted_quantile", "from_single_device_index", "ShardedRetrieval", "ShardedAttention", "sharded_layer_scores",
     "sharded_lookup", "global_positions", "sharded_attention", "sharded_squeezed_attention",
     "sharded_full_attention", "sharded_quest_bounds", "sharded_quest_attention", "ShardedFixedContext",
-    "ShardedSqueezedHook", "fixed_context_state",
+    "ShardedSqueezedHook", "fixed_context_state", "ShardedClusteredLayer", "clustered_layout",
+    "sharded_clustered_decode", "ShardedClusteredContext", "ShardedClusteredHook", "clustered_context_state",
     "save_sharded", "load_sharded",
 ]
 
@@ -417,13 +418,23 @@ def _global_scores(logits: jax.Array, weights: jax.Array, live: jax.Array) -> ja
     m = jnp.max(x, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     den = jnp.sum(weights * jnp.where(live, jnp.exp(x - m_safe[..., None]), 0.0), axis=-1)
-    stats = jax.lax.all_gather(jnp.stack([m, den]), CTX)  # [P, 2, ...]
-    ms, dens = stats[:, 0], stats[:, 1]
-    mx = jnp.max(ms, axis=0)
-    mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    total = jnp.sum(dens * jnp.exp(ms - mx_safe), axis=0)
+    mx_safe, total = _global_stats(m, den)
     e = jnp.where(live, jnp.exp(x - mx_safe[..., None]), 0.0)
     return jnp.where(total[..., None] > 0, e / jnp.maximum(total[..., None], 1e-30), 0.0)
+
+
+def _global_stats(m: jax.Array, den: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """This device's Eq. 1 softmax (max, denominator) -> the global pair over every context shard.
+
+    Elementwise over any shape; one all-gather over "ctx". A device whose denominator is 0 (no
+    live cluster) takes no part in the max; the global max is 0 when no device has any.
+    """
+    stats = jax.lax.all_gather(jnp.stack([m, den]), CTX)  # [P, 2, ...]
+    ms, dens = stats[:, 0], stats[:, 1]
+    mx = jnp.max(jnp.where(dens > 0, ms, -jnp.inf), axis=0)
+    mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    total = jnp.sum(jnp.where(dens > 0, dens * jnp.exp(ms - mx_safe), 0.0), axis=0)
+    return mx_safe, total
 
 
 def _logits(q, centroids, scale):
@@ -784,6 +795,137 @@ def sharded_full_attention(q, k, v, k_new, v_new, q_pos, kv_pos, *, mesh: Mesh, 
 
 
 # ---------------------------------------------------------------------------------------------
+# Cluster-contiguous storage per device: the fused clustered decode kernel
+# ---------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedClusteredLayer:
+    """One layer's fixed context stored cluster-contiguous on every context shard.
+
+    Block p of each array belongs to context shard p and is LOCAL to it (Ls = L / P rows, C
+    clusters per device), in the layout of `pallas_kernels.clustered_attention`:
+
+        k_sorted, v_sorted [Hkv, L, d]    block p: shard p's clusters 0..C-1 in order, then its
+                                          exact keys (sink / tail) in rows [offsets[C], Ls)
+        centroids          [Hkv, P·C, d]
+        offsets            [Hkv, P·(C+1)] int32 cluster j = rows [offsets[j], offsets[j+1])
+        index              ShardedLayerIndex describing the SAME sorted rows (perm/labels point
+                                          into k_sorted), for the generic path (prefill, T > 1)
+
+    Attention over the fixed context does not depend on the order of its keys (their positions
+    live in the roped keys), so the sorted copy can replace the position-ordered one.
+    """
+
+    k_sorted: jax.Array
+    v_sorted: jax.Array
+    centroids: jax.Array
+    offsets: jax.Array
+    index: ShardedLayerIndex
+
+
+def _clustered_specs() -> ShardedClusteredLayer:
+    return ShardedClusteredLayer(kv_spec(False), kv_spec(False), _spec(3), _spec(2), _layer_specs(0))
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _clustered_layout_jit(lay, k, v, *, mesh):
+    def body(labels, perm, offsets, k, v):
+        hkv, ls = perm.shape
+        e = offsets[:, 1]                                                        # [Hkv] exact keys
+        rows = (jnp.arange(ls, dtype=jnp.int32)[None, :] + e[:, None]) % ls      # clusters, then exact
+        perm = jnp.take_along_axis(perm, rows, axis=1)                           # sorted row -> position
+        ks = jnp.take_along_axis(k, perm[..., None], axis=1)
+        vs = jnp.take_along_axis(v, perm[..., None], axis=1)
+        offsets = (offsets[:, 1:] - e[:, None]).astype(jnp.int32)                # [Hkv, C + 1]
+        # The generic index over the sorted rows: exact keys are rows Ls-e.., clusters start at 0.
+        sorted_perm = ((jnp.arange(ls, dtype=jnp.int32)[None, :] - e[:, None]) % ls).astype(jnp.int32)
+        return ks, vs, offsets, jnp.take_along_axis(labels, perm, axis=1), sorted_perm
+
+    # Only what changes goes through shard_map (zero-size outputs such as a one-level index's
+    # centroids1 crash XLA's CPU compiler there).
+    f = jax.shard_map(body, mesh=mesh, in_specs=(_spec(2), _spec(2), _spec(2), kv_spec(False), kv_spec(False)),
+                      out_specs=(kv_spec(False), kv_spec(False), _spec(2), _spec(2), _spec(2)), check_vma=False)
+    ks, vs, offsets, labels, perm = f(lay.labels, lay.perm, lay.offsets, k, v)
+    return ShardedClusteredLayer(ks, vs, lay.centroids, offsets, dataclasses.replace(lay, labels=labels, perm=perm))
+
+
+def clustered_layout(lay: ShardedLayerIndex, k: jax.Array, v: jax.Array, *, mesh: Mesh) -> ShardedClusteredLayer:
+    """One layer's sharded index + position-ordered K/V [Hkv, L, d] -> `ShardedClusteredLayer`.
+
+    Offline, once per fixed context (each device permutes its own slice; nothing moves between
+    devices). One-level indexes only: the fused kernel has no hierarchical variant.
+    """
+    n_ctx, n_heads = mesh_shape(mesh)
+    check_rank("k", k, 3, "[Hkv, L, d] (one layer)")
+    check_same("k/v shape", [("k", tuple(k.shape)), ("v", tuple(v.shape))])
+    check_same("fixed context length", [("k", k.shape[1]), ("index labels", lay.labels.shape[-1])])
+    _check_divisible(k.shape[0], k.shape[1], n_ctx, n_heads)
+    if lay.counts1.shape[-1]:
+        raise ValueError("the clustered decode kernel serves one-level indexes; this index is hierarchical "
+                         "(use sharded_squeezed_attention, or build with hierarchical=False)")
+    return _clustered_layout_jit(lay, k, v, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "backend", "config"))
+def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh, scale, vote, backend, config):
+    from pallas_kernels.clustered_attention import clustered_decode_partial
+
+    n_ctx, _ = mesh_shape(mesh)
+
+    def body(cl, t, q, k_new, v_new, q_pos, kv_pos):
+        last = jax.lax.axis_index(CTX) == n_ctx - 1
+        o, lse = clustered_decode_partial(
+            q, cl.k_sorted, cl.v_sorted, cl.centroids, cl.offsets, t, k_new, v_new, q_pos,
+            jnp.where(last, kv_pos, -1), scale=scale, vote=vote, reduce_stats=_global_stats, backend=backend,
+            config=config)
+        o, lse = _merge_ctx(o[:, None], lse[:, None])
+        return o[:, 0].astype(q.dtype), lse[:, 0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(_clustered_specs(), P(), _H2, _H3, _H3, P(), P()),
+                      out_specs=(_H2, P(HEADS)), check_vma=False)
+    return f(cl, threshold, q, k_new, v_new, q_pos, kv_pos)
+
+
+def sharded_clustered_decode(
+    cl: ShardedClusteredLayer,
+    threshold,
+    q: jax.Array,       # [Hq, d] roped query of the one decoded token
+    k_new: jax.Array,   # [Hkv, S, d] the user input's keys (replicated over "ctx")
+    v_new: jax.Array,   # [Hkv, S, d]
+    q_pos: jax.Array,   # [1] int32 absolute position of the token
+    kv_pos: jax.Array,  # [S] int32 absolute positions of the new keys (−1 = empty slot)
+    *,
+    mesh: Mesh,
+    scale: float | None = None,
+    vote: str = "kv",
+    backend: str = "auto",
+    config=None,
+) -> tuple[jax.Array, jax.Array]:
+    """Squeezed decode of one layer through the fused clustered kernel on every device.
+
+    Per device: the scoring kernel (its centroids), one all-gather of the Eq. 1 (max,
+    denominator) per query head so that the global threshold means what it means on one device,
+    the attention kernel over its selected clusters' contiguous rows + its exact keys (+ the user
+    input on the last shard), then one all-gather to merge the partial outputs by log-sum-exp.
+    Equal to `pallas_kernels.clustered_decode_attention` on the union of the devices' clusters.
+    -> (o [Hq, d] in q's dtype, lse [Hq] f32).
+    """
+    n_ctx, n_heads = mesh_shape(mesh)
+    check_rank("q", q, 2, "[Hq, d] (one decoded token)")
+    check_rank("centroids", cl.centroids, 3, "[Hkv, P*C, d] (one layer)")
+    check_gqa(q.shape[0], cl.centroids.shape[0])
+    check_same("head dim", [("q", q.shape[-1]), ("k_sorted", cl.k_sorted.shape[-1])])
+    if vote not in squeezed.VOTES:
+        raise ValueError(f"vote must be one of {squeezed.VOTES}; got {vote!r}")
+    _check_divisible(cl.k_sorted.shape[0], cl.k_sorted.shape[1], n_ctx, n_heads)
+    return _clustered_decode_jit(cl, jnp.asarray(threshold, jnp.float32), q, k_new, v_new,
+                                 jnp.asarray(q_pos, jnp.int32).reshape(1), jnp.asarray(kv_pos, jnp.int32), mesh=mesh,
+                                 scale=_scale(scale, q.shape[-1]), vote=vote, backend=_resolve_backend(backend),
+                                 config=config)
+
+
+# ---------------------------------------------------------------------------------------------
 # QUEST (page-sparse, per token) over a context-sharded fixed context
 # ---------------------------------------------------------------------------------------------
 
@@ -1127,6 +1269,63 @@ class ShardedSqueezedHook:
                 attn_state.k[layer], attn_state.v[layer], cache_k[b], cache_v[b], q_pos[b], kv_pos[b],
                 mesh=self.mesh, capacity=attn_state.capacity, vote=self.vote, q_valid=qv, backend=self.backend,
                 order=self.order)
+            outs.append(jnp.swapaxes(r.o, 0, 1))
+        return jnp.stack(outs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedClusteredContext:
+    """`ShardedFixedContext`'s counterpart over cluster-contiguous storage (one-level indexes)."""
+
+    layers: list       # per layer ShardedClusteredLayer
+    threshold: jax.Array
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+
+
+def clustered_context_state(index: ShardedSqueezedIndex, k, v) -> ShardedClusteredContext:
+    """A stacked one-level index + K/V [layers, Hkv, L, d] -> per-layer cluster-contiguous state.
+
+    Builds one layer at a time (peak extra memory: one layer's sorted K/V)."""
+    state = fixed_context_state(index, k, v)
+    mesh = k.sharding.mesh
+    layers = []
+    for i in range(index.n_layers):
+        layers.append(clustered_layout(state.layers[i], state.k[i], state.v[i], mesh=mesh))
+        state.k[i] = state.v[i] = None
+    return ShardedClusteredContext(layers, index.threshold, index.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedClusteredHook:
+    """`attn_fn` for `models.forward` over a `ShardedClusteredContext`.
+
+    A decode step (one token) goes through `sharded_clustered_decode` (the fused kernel on every
+    device); a block of T > 1 tokens (prefill of the question) through the generic
+    `sharded_squeezed_attention` over the same sorted storage. Positions of the user input must
+    follow the fixed context (start at L).
+    """
+
+    mesh: Mesh
+    vote: str = "kv"
+    backend: str = "auto"
+    config: object = None
+
+    def __call__(self, layer, q, cache_k, cache_v, q_pos, kv_pos, attn_state: ShardedClusteredContext):
+        cl = attn_state.layers[layer]
+        zero = jnp.zeros((), jnp.float32)
+        outs = []
+        for b in range(q.shape[0]):
+            if q.shape[1] == 1:
+                o, _ = sharded_clustered_decode(cl, attn_state.threshold, q[b, 0], cache_k[b], cache_v[b], q_pos[b],
+                                                kv_pos[b], mesh=self.mesh, vote=self.vote, backend=self.backend,
+                                                config=self.config)
+                outs.append(o[None])
+                continue
+            r = sharded_squeezed_attention(
+                cl.index, attn_state.threshold, zero, jnp.swapaxes(q[b], 0, 1), cl.k_sorted, cl.v_sorted, cache_k[b],
+                cache_v[b], q_pos[b], kv_pos[b], mesh=self.mesh, capacity=attn_state.capacity, vote=self.vote,
+                q_valid=q_pos[b] >= 0, backend=self.backend, order="index")
             outs.append(jnp.swapaxes(r.o, 0, 1))
         return jnp.stack(outs)
 

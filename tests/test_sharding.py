@@ -55,7 +55,8 @@ def test_context_parallel_8_devices(rng):
     for want in ("calibration/1level", "calibration/hier", "decode/1level/kv", "prefill/1level/kv",
                  "decode/hier/kv", "prefill/hier/kv", "full", "quest/decode",
                  "quest/prefill", "roundtrip", "overflow",
-                 "model_hook"):
+                 "model_hook", "model_hook/clustered", "clustered/decode/kv/reference",
+                 "clustered/decode/q/interpret", "clustered/hierarchical_refused"):
         assert any(n.startswith(want) for n in names), (want, sorted(names))
 
 
@@ -67,7 +68,8 @@ def test_head_parallel_8_devices(rng):
 def test_2d_mesh_and_orbax_round_trip(rng, tmp_path):
     checks = _run_case("mesh2d", int(rng.integers(1 << 30)))
     names = {c["name"] for c in checks}
-    for want in ("decode/hier/kv", "prefill/1level/kv", "cluster/layer_groups", "save_load/sharding", "save_load/values",
+    for want in ("decode/hier/kv", "prefill/1level/kv", "cluster/layer_groups", "clustered/decode/kv/interpret",
+                 "save_load/sharding", "save_load/values",
                  "save_load/other_heads_split", "save_load/wrong_ctx", "save_load/corrupt"):
         assert any(n.startswith(want) for n in names), (want, sorted(names))
 
@@ -293,6 +295,27 @@ def _main(case: str, seed: int) -> None:
             touched_equal=bool(np.array_equal(np.asarray(r.touched), np.asarray(touched))),
             overflow=bool(np.asarray(r.overflow).any()))
 
+    def clustered(name, mesh, idx, eq, k, v, layer, vote, backend):
+        """sharded_clustered_decode (fused clustered kernel on every device, over the sorted storage
+        of `clustered_layout`) == the single-device lookup + sparse attention on the same clusters."""
+        n_new = s["n_new"]
+        q = draw_query(eq, layer, 1, vote, None)
+        kn = rng.standard_normal((hkv, n_new, d)).astype(np.float32)
+        vn = rng.standard_normal((hkv, n_new, d)).astype(np.float32)
+        q_pos = np.asarray([length + n_new - 2], np.int32)                 # the last new key is in the future
+        kv_pos = np.where(np.arange(n_new) != 1, length + np.arange(n_new), -1).astype(np.int32)  # an empty slot
+        cl = sh.clustered_layout(idx.layer(layer), k[layer], v[layer], mesh=mesh)
+        o, lse = sh.sharded_clustered_decode(cl, idx.threshold, jnp.asarray(q[:, 0]), jnp.asarray(kn), jnp.asarray(vn),
+                                             q_pos, kv_pos, mesh=mesh, vote=vote, backend=backend)
+        ret, _, o_ref, lse_ref = reference(
+            eq.layer(layer), eq.threshold, eq.threshold1, jnp.asarray(q), jnp.asarray(k_host[layer]),
+            jnp.asarray(v_host[layer]), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(q_pos), jnp.asarray(kv_pos), None,
+            vote=vote, n_tail=eq.n_tail, capacity=eq.capacity, n_sink=eq.n_sink)
+        live = np.isfinite(np.asarray(lse_ref[:, 0]))
+        err = max(rel(o, o_ref[:, 0]), rel(np.where(live, lse, 0), np.where(live, lse_ref[:, 0], 0)))
+        sorted_same = bool(np.array_equal(np.sort(np.asarray(cl.k_sorted), axis=1), np.sort(np.asarray(k[layer]), axis=1)))
+        add(name, err <= TOL and sorted_same, err=err, sorted_same=sorted_same, retrieved=int(np.asarray(ret.count).sum()))
+
     def scenario(mesh, built, k, v, plan):
         for i, (tag, t, vote, order) in enumerate(plan):
             idx, eq = built[tag]
@@ -309,6 +332,14 @@ def _main(case: str, seed: int) -> None:
         scenario(mesh, built, ks, vs, [("1level", 1, "kv", "score"), ("1level", 5, "kv", "score"),
                                        ("1level", 1, "kv", "index"),
                                        ("hier", 1, "kv", "score"), ("hier", 5, "kv", "score")])
+        idx1, eq1 = built["1level"]
+        clustered("clustered/decode/kv/reference", mesh, idx1, eq1, ks, vs, 1, "kv", "reference")
+        clustered("clustered/decode/q/interpret", mesh, idx1, eq1, ks, vs, 0, "q", "interpret")
+        try:
+            sh.clustered_layout(built["hier"][0].layer(0), ks[0], vs[0], mesh=mesh)
+            add("clustered/hierarchical_refused", False)
+        except ValueError as e:
+            add("clustered/hierarchical_refused", "hierarchical" in str(e))
         idx, eq = built["hier"]
         # also layer 0 (different clusters, same compiled program)
         compare("decode/hier/kv/layer0", mesh, idx, eq, ks, vs, 0, 1, "kv")
@@ -397,6 +428,7 @@ def _main(case: str, seed: int) -> None:
         same = all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(built["hier"][0].layers)))
         add("cluster/layer_groups", same and one.perm.sharding.is_equivalent_to(ks.sharding, 3))
+        clustered("clustered/decode/kv/interpret", mesh, *built["1level"], ks, vs, 1, "kv", "interpret")
         _save_load_checks(add, rel, mesh, built["hier"][0], ks, vs, k, compare, seed)
     else:
         raise SystemExit(f"unknown case {case!r}")
@@ -498,14 +530,17 @@ def _model_hook_check(add, rel, rng, mesh, seed, idx, eq, ks, vs, k_host, v_host
     hook = sh.ShardedSqueezedHook(mesh)
     fwd = jax.jit(forward, static_argnames=("attn_fn",))
     outs = []
-    for attn_fn, st in ((hook, fc), (single_hook, None)):
+    hooks = ((hook, fc), (sh.ShardedClusteredHook(mesh, backend="interpret"), sh.clustered_context_state(idx, ks, vs)),
+             (single_hook, None))
+    for attn_fn, st in hooks:
         cache = KVCache.init(cfg, 1, 8)
         lg1, cache, _ = fwd(graphdef, state, tokens, pos, cache, attn_fn=attn_fn, attn_state=st)   # prefill
         lg2, _, _ = fwd(graphdef, state, tokens[:, -1:], pos[:, -1:] + 1, cache, attn_fn=attn_fn,  # decode
                         attn_state=st)
         outs.append((lg1, lg2))
-    err = max(rel(outs[0][0], outs[1][0]), rel(outs[0][1], outs[1][1]))
-    add("model_hook", err <= TOL, err=err)
+    for name, (a1, a2) in zip(("model_hook", "model_hook/clustered"), outs[:2]):
+        err = max(rel(a1, outs[2][0]), rel(a2, outs[2][1]))
+        add(name, err <= TOL, err=err)
 
 
 if __name__ == "__main__":
