@@ -85,14 +85,18 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
     md = (tmp_path / "gpu_sharded.md").read_text()
     for key in ("device_names", "jax_version", "git_commit", "plan", "cases", "wall_s"):
         assert key in res
-    dec, e2e = res["cases"]
-    assert dec["name"] == "decode" and e2e["name"] == "e2e"
-    assert not dec["errors"] and not e2e["errors"], (dec["errors"], e2e["errors"])
-    for name in ("1gpu_lib", "1gpu_mesh/score", "1gpu_mesh/index", "2gpu/score", "2gpu/index"):
+    dec, *e2e = res["cases"]
+    assert dec["name"] == "decode" and [c["name"] for c in e2e] == ["e2e/clustered", "e2e/generic"]
+    assert not dec["errors"] and not any(c["errors"] for c in e2e), (dec["errors"], [c["errors"] for c in e2e])
+    for name in ("1gpu_lib", "1gpu_clustered", "1gpu_mesh/clustered", "1gpu_mesh/score", "1gpu_mesh/index",
+                 "2gpu/clustered", "2gpu/score", "2gpu/index"):
         assert dec[f"{name}_ms"] > 0
+        assert name == "1gpu_lib" or dec[f"{name}_rel_err"] < 1e-2, name
     assert dec["same_answers"] and dec["ratio"] > 0 and dec["2gpu/score_count_diff"] == 0
     assert 0.05 < dec["calibrated_kept_fraction"] < 0.15
-    assert e2e["tokens_per_s"] > 0 and len(e2e["run_s"]) == e2e["runs"]
+    for c in e2e:
+        assert c["tokens_per_s"] > 0 and len(c["run_s"]) == c["runs"]
+        assert 0.05 < c["calibrated_kept_fraction"] < 0.15
     assert r.stdout.rstrip().endswith(md.rstrip())   # the markdown table is printed last
 
 
