@@ -71,6 +71,7 @@ from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_looku
 from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
+           "clustered_decode_partial",
            "clustered_decode_attention_reference", "clustered_prefill_attention",
            "clustered_prefill_attention_reference"]
 
@@ -90,6 +91,10 @@ class ClusteredConfig:
   block_k: K/V rows per tile (power of two >= 16).
   chunk_new: user-input keys per program (multiple of block_k) or None (auto).
   exact_programs: programs per KV head for the exact part (>= 1).
+  reduce_stats_first: reduce the scoring kernel's per-block (m, l) to one (M, D)
+    per head in XLA before kernel B (otherwise every cluster program reduces the
+    block statistics itself).  Always done when statistics are combined across
+    devices (``clustered_decode_partial(reduce_stats=...)``).
   """
   block_c: int = 256
   block_clusters: int | None = None
@@ -101,6 +106,7 @@ class ClusteredConfig:
   num_stages: int = 2
   score_warps: int = 4
   target_programs: int = 1536
+  reduce_stats_first: bool = False
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -137,6 +143,8 @@ class _Plan:
   block_c: int     # kernel A
   n_a: int         # centroid blocks
   n_a2: int        # n_a padded to a power of two
+  n_sa: int        # columns of the (m, l) statistics kernel B reads (power of two)
+  n_sv: int        # ... of which valid: n_a (block stats) or 1 (one (M, D) per head)
   bc: int          # clusters per kernel-B program
   bcs: int         # sub-block
   n_cb: int        # cluster programs per KV head
@@ -179,7 +187,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     chunk_new, n_new = bk, 0
   return _Plan(hq=hq, hkv=hkv, g=g, rp=rp, num_l=num_l, num_c=num_c, num_s=num_s,
                dp=cm.padded_head_dim(d), block_c=block_c, n_a=n_a,
-               n_a2=max(16, cm.next_pow2(n_a)), bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
+               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
                vote=vote)
 
@@ -233,8 +241,8 @@ def _attn_kernel(thr_ref,      # [1] f32
                  q_ref,        # [Hq, dp]
                  offs_ref,     # [Hkv * (C + 1)] int32
                  x_ref,        # [Hkv, g, Cx] f32
-                 ms_ref,       # [Hkv, g, nA2] f32
-                 ls_ref,       # [Hkv, g, nA2] f32
+                 ms_ref,       # [Hkv, g, nSA] f32
+                 ls_ref,       # [Hkv, g, nSA] f32
                  k_ref,        # [Hkv * L, dp]
                  v_ref,        # [Hkv * L, dp]
                  *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
@@ -291,11 +299,11 @@ def _attn_kernel(thr_ref,      # [1] f32
   ex_n = jnp.clip(jnp.minimum(ex_total - ex_i * ex_chunk, ex_chunk), 0, p.num_l)
 
   # Global softmax statistics of this group's heads (cluster programs only).
-  cols = jnp.arange(p.n_a2, dtype=i32)
-  smask = hv[:, None] & (cols < p.n_a)[None, :] & is_cl
-  ms = plgpu.load(ms_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_a2)], mask=smask,
-                  other=cm.MASK_VALUE)                                 # [rp, nA2]
-  ls = plgpu.load(ls_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_a2)], mask=smask, other=0.0)
+  cols = jnp.arange(p.n_sa, dtype=i32)
+  smask = hv[:, None] & (cols < p.n_sv)[None, :] & is_cl
+  ms = plgpu.load(ms_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask,
+                  other=cm.MASK_VALUE)                                 # [rp, nSA]
+  ls = plgpu.load(ls_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask, other=0.0)
   big_m = jnp.max(ms, axis=1)                                          # [rp]
   den = jnp.sum(jnp.where(smask, ls * jnp.exp(ms - big_m[:, None]), 0.0), axis=1)
   inv_den = jnp.where(hv & (den > 0), 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
@@ -374,12 +382,28 @@ def _attn_kernel(thr_ref,      # [1] f32
 # ----------------------------------------------------------------------------
 # Builders.
 # ----------------------------------------------------------------------------
-def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
-                   *, scale, vote, return_stats, cfg: ClusteredConfig, backend):
+def _block_stats_to_head(ms, ls, n_a):
+  """Per-block (m_b, l_b) [Hkv, g, nA2] -> one (M, D) per head [Hkv, g] (Eq. 1's
+  max and denominator over this call's clusters; D = 0 when none is valid)."""
+  ms, ls = ms[..., :n_a], ls[..., :n_a]
+  big_m = jnp.max(jnp.where(ls > 0, ms, cm.MASK_VALUE), axis=-1)
+  den = jnp.sum(jnp.where(ls > 0, ls * jnp.exp(ms - big_m[..., None]), 0.0), axis=-1)
+  return big_m, den
+
+
+def _head_stats_as_blocks(big_m, den, width):
+  """(M, D) [Hkv, g] -> block-statistics arrays [Hkv, g, width] holding them in column 0."""
+  pad = [(0, 0), (0, 0), (0, width - 1)]
+  return (jnp.pad(big_m[..., None], pad, constant_values=cm.MASK_VALUE),
+          jnp.pad(den[..., None], pad, constant_values=0.0))
+
+
+def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: ClusteredConfig,
+                backend):
+  """Kernel A.  -> (plan, qf [Hq, dp], offs [Hkv * (C + 1)], x [Hkv, g, Cx],
+  ms, ls [Hkv, g, nA2] f32 block statistics)."""
   hq, d = q.shape
-  hkv, num_l, _ = k.shape
-  num_c = centroids.shape[1]
-  num_s = k_new.shape[1]
+  hkv, num_c, _ = centroids.shape
   p = _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg)
   dp = p.dp
   qf = cm.pad_axis(q, 1, dp)
@@ -395,6 +419,16 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
                  jax.ShapeDtypeStruct((hkv, p.g, p.n_a2), jnp.float32)],
       name="clustered_scores",
   )(qf, c_flat, offs)
+  return p, qf, offs, x, ms, ls
+
+
+def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
+                 kv_pos_new, *, scale, return_stats, cfg: ClusteredConfig, backend):
+  """Kernel B.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials,
+  sel (int32 [Hkv, Cx] or [Hkv, g, Cx] for vote "q") | None)."""
+  hkv, num_l, _ = k.shape
+  num_s = k_new.shape[1]
+  dp = p.dp
   args = [jnp.reshape(threshold, (1,)).astype(jnp.float32), q_pos.astype(jnp.int32), qf, offs,
           x, ms, ls,
           cm.pad_axis(k, 2, dp).reshape(hkv * num_l, dp),
@@ -405,7 +439,7 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
              kv_pos_new.astype(jnp.int32)]
   out_shape = []
   if return_stats:
-    sel_shape = (hkv, p.g, p.cx) if vote == "q" else (hkv, p.cx)
+    sel_shape = (hkv, p.g, p.cx) if p.vote == "q" else (hkv, p.cx)
     out_shape.append(jax.ShapeDtypeStruct(sel_shape, jnp.int32))
   out_shape += [jax.ShapeDtypeStruct((hkv, p.n_prog, p.g, dp), jnp.float32),
                 jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32),
@@ -416,22 +450,46 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
       grid=(hkv, p.n_prog), out_shape=out_shape, name="clustered_attention",
   )(*args)
   o, m, l = outs[-3:]
-  out = _merge(o, m, l)[..., :d].reshape(hq, d).astype(q.dtype)
+  return o, m, l, (outs[0] if return_stats else None)
+
+
+def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
+                   *, scale, vote, return_stats, reduce_stats, cfg: ClusteredConfig, backend):
+  """-> (o [Hq, d] f32, lse [Hq] f32, selected | None, rows | None)."""
+  hq, d = q.shape
+  num_l = k.shape[1]
+  num_c = centroids.shape[1]
+  p, qf, offs, x, ms, ls = _score_call(q, centroids, offsets, num_l=num_l, num_s=k_new.shape[1],
+                                       scale=scale, vote=vote, cfg=cfg, backend=backend)
+  if reduce_stats is not None or cfg.reduce_stats_first:
+    big_m, den = _block_stats_to_head(ms, ls, p.n_a)
+    if reduce_stats is not None:
+      big_m, den = reduce_stats(big_m, den)
+    ms, ls = _head_stats_as_blocks(big_m, den, 16)
+    p = dataclasses.replace(p, n_sa=16, n_sv=1)
+  o, m, l, sel = _attend_call(p, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
+                              kv_pos_new, scale=scale, return_stats=return_stats, cfg=cfg,
+                              backend=backend)
+  out, lse = _merge(o, m, l)
+  out, lse = out[..., :d].reshape(hq, d), lse.reshape(hq)
   if not return_stats:
-    return out
-  sel = outs[0]
+    return out, lse, None, None
   sel = (sel.reshape(hq, p.cx) if vote == "q" else sel)[:, :num_c] != 0
-  return out, sel, _rows_of_selection(sel, offsets, num_l)
+  return out, lse, sel, _rows_of_selection(sel, offsets, num_l)
 
 
 def _merge(o, m, l):
-  """Log-sum-exp merge over axis 1 of [Hkv, P, g, dp] partials -> [Hkv, g, dp] f32."""
+  """Log-sum-exp merge over axis 1 of [Hkv, P, g, dp] partials.
+
+  -> (o [Hkv, g, dp] f32 normalised, lse [Hkv, g] f32; -inf where nothing was seen)."""
   mx = jnp.max(jnp.where(l > 0, m, cm.MASK_VALUE), axis=1, keepdims=True)
   w = jnp.where(l > 0, jnp.exp(m - mx), 0.0)                           # [Hkv, P, g]
   den = jnp.sum(w * l, axis=1)
   num = jnp.sum(o * w[..., None], axis=1)
   ok = den > 0
-  return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+  out = jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+  lse = jnp.where(ok, mx[:, 0] + jnp.log(jnp.where(ok, den, 1.0)), -jnp.inf)
+  return out, lse
 
 
 def _clipped_offsets(offsets, num_l):
@@ -468,14 +526,15 @@ def _row_cluster(offsets, num_l):
 
 
 def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, *,
-               scale, vote):
-  """q [Hq, T, d] -> (o [Hq, T, d] in q.dtype, selected [Hs, C], rows [Hs])."""
+               scale, vote, reduce_stats=None):
+  """q [Hq, T, d] -> (o [Hq, T, d] f32, lse [Hq, T] f32, selected [Hs, C], rows [Hs])."""
   hq, seq_len, d = q.shape
   hkv, num_l, _ = k.shape
   num_c = centroids.shape[1]
   g = hq // hkv
   counts = _counts(offsets, num_l)
-  sel, _ = centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote)
+  sel, _ = centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote,
+                                     reduce_stats=reduce_stats)
   hs = sel.shape[0]
   r = hq // hs
   cid = _row_cluster(offsets, num_l)                                  # [Hkv, L]
@@ -505,8 +564,9 @@ def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_p
   num = jnp.einsum("kgtn,knd->kgtd", pf, vf) + jnp.einsum("kgts,ksd->kgtd", pn, vnf)
   ok = den > 0
   out = jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
-  out = out.reshape(hq, seq_len, d).astype(q.dtype)
-  return out, sel, _rows_of_selection(sel, offsets, num_l)
+  lse = jnp.where(ok, mx[..., 0] + jnp.log(jnp.where(ok, den, 1.0)), -jnp.inf)
+  return (out.reshape(hq, seq_len, d), lse.reshape(hq, seq_len), sel,
+          _rows_of_selection(sel, offsets, num_l))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
@@ -515,9 +575,10 @@ def clustered_decode_attention_reference(q, k_sorted, v_sorted, centroids, offse
                                          return_stats=False):
   """Plain-jnp ``clustered_decode_attention``: score every cluster (Eq. 1), mask
   the sorted rows by their cluster's selection, dense masked attention."""
-  o, sel, rows = _reference(q[:, None], k_sorted, v_sorted, centroids, offsets, threshold,
-                            k_new, v_new, q_pos, kv_pos_new, scale=scale, vote=vote)
-  return (o[:, 0], sel, rows) if return_stats else o[:, 0]
+  o, _, sel, rows = _reference(q[:, None], k_sorted, v_sorted, centroids, offsets, threshold,
+                               k_new, v_new, q_pos, kv_pos_new, scale=scale, vote=vote)
+  o = o[:, 0].astype(q.dtype)
+  return (o, sel, rows) if return_stats else o
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
@@ -525,8 +586,9 @@ def clustered_prefill_attention_reference(q, k_sorted, v_sorted, centroids, offs
                                           k_new, v_new, q_pos, kv_pos_new, *, scale, vote="kv",
                                           return_stats=False):
   """Plain-jnp ``clustered_prefill_attention`` (S averaged over the T tokens)."""
-  o, sel, rows = _reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
-                            q_pos, kv_pos_new, scale=scale, vote=vote)
+  o, _, sel, rows = _reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new,
+                               v_new, q_pos, kv_pos_new, scale=scale, vote=vote)
+  o = o.astype(q.dtype)
   return (o, sel, rows) if return_stats else o
 
 
@@ -606,13 +668,64 @@ def clustered_decode_attention(
     return clustered_decode_attention_reference(
         q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
         scale=scale, vote=vote, return_stats=return_stats)
+  _check_vote_q_group(q, k_sorted, vote)
+  o, _, sel, rows = _decode_pallas(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new,
+                                   v_new, q_pos, kv_pos_new, scale=scale, vote=vote,
+                                   return_stats=return_stats, reduce_stats=None,
+                                   cfg=config or ClusteredConfig(), backend=be)
+  o = o.astype(q.dtype)
+  return (o, sel, rows) if return_stats else o
+
+
+def _check_vote_q_group(q, k_sorted, vote):
   g = q.shape[0] // k_sorted.shape[0]
   if vote == "q" and g > MAX_VOTE_Q_GROUP:
     raise ValueError(f"vote='q' kernel supports at most {MAX_VOTE_Q_GROUP} query heads per KV "
                      f"head, got {g}; use vote='kv' or backend='reference'")
-  return _decode_pallas(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
-                        q_pos, kv_pos_new, scale=scale, vote=vote, return_stats=return_stats,
-                        cfg=config or ClusteredConfig(), backend=be)
+
+
+def clustered_decode_partial(
+    q: jax.Array,            # [Hq, d]
+    k_sorted: jax.Array,     # [Hkv, L, d]  this call's part of the fixed context
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids: jax.Array,    # [Hkv, C, d]
+    offsets: jax.Array,      # [Hkv, C + 1] int32
+    threshold: jax.Array,    # [] f32
+    k_new: jax.Array,        # [Hkv, S, d]
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [1] int32
+    kv_pos_new: jax.Array,   # [S] int32
+    *,
+    scale: float,
+    vote: str = "kv",
+    reduce_stats=None,
+    backend: str = "auto",
+    config: ClusteredConfig | None = None,
+):
+  """``clustered_decode_attention`` over one slice of a larger fixed context.
+
+  ``reduce_stats(M, D) -> (M, D)`` ([Hkv, g] f32 each, traced inside the caller's
+  ``shard_map``) turns this slice's Eq. 1 softmax max and denominator into the
+  global ones, so that ``S_c`` and the threshold mean what they mean on one
+  device.  Returns ``(o [Hq, d] f32, lse [Hq] f32)``: attention normalised over the
+  keys this call attended (lse = -inf if none), ready for a log-sum-exp merge
+  across slices.  Not jitted: call it inside ``jit``/``shard_map``.
+  """
+  _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
+            kv_pos_new, 2, vote)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    o, lse, _, _ = _reference(q[:, None], k_sorted, v_sorted, centroids, offsets, threshold,
+                              k_new, v_new, q_pos, kv_pos_new, scale=scale, vote=vote,
+                              reduce_stats=reduce_stats)
+    return o[:, 0], lse[:, 0]
+  _check_vote_q_group(q, k_sorted, vote)
+  o, lse, _, _ = _decode_pallas(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new,
+                                v_new, q_pos, kv_pos_new, scale=scale, vote=vote,
+                                return_stats=False, reduce_stats=reduce_stats,
+                                cfg=config or ClusteredConfig(), backend=be)
+  return o, lse
 
 
 def _expand_positions(sel, offsets, num_l, cap):
