@@ -98,6 +98,8 @@ class Plan:
   e2e_runs: int = 3
   e2e_calib_tokens: int = 8
   e2e_hooks: tuple = ("clustered", "generic")
+  diagnose: bool = False
+  out: str = ""
   budget_s: float = 420.0
 
   @property
@@ -122,6 +124,8 @@ def make_plan(args) -> Plan:
     plan.e2e_hooks = tuple(args.e2e_hooks.split(","))
   if args.budget_s:
     plan.budget_s = float(args.budget_s)
+  plan.diagnose = bool(args.diagnose)
+  plan.out = args.out
   return plan
 
 
@@ -335,7 +339,30 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
   def one_gpu_clustered(q, kn, vn):
     return clustered_jit(cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1, kv_pos1, q, kn, vn)
 
-  pipelines = [("2gpu/clustered", two_gpu_clustered, sets2), ("1gpu_clustered", one_gpu_clustered, sets1),
+  def clustered_diag(cl, mesh, t, q_pos, kv_pos, parts):   # timing diagnostics (wrong answers on 2 GPUs)
+    def f(q, kn, vn):
+      return sh._clustered_decode_jit(cl, t, q[:, 0], kn, vn, q_pos, kv_pos, mesh=mesh, scale=scale, vote="kv",
+                                      backend=be, config=None, _parts=parts)
+    return f
+
+  if plan.diagnose:
+    for name, cl, mesh, t, qp, kp in (("2gpu", cl2, mesh2, t2, q_pos2, kv_pos2),
+                                      ("1gpu_mesh", cl1, mesh1, t1m, q_pos1m, kv_pos1m)):
+      try:
+        hlo = sh._clustered_decode_jit.lower(cl, t, sets2[0][0][:, 0] if name == "2gpu" else sets1[0][0][:, 0],
+                                             *(sets2 if name == "2gpu" else sets1)[0][1:], qp, kp, mesh=mesh,
+                                             scale=scale, vote="kv", backend=be, config=None).compile().as_text()
+        with open(os.path.join(plan.out, f"hlo_{name}_clustered.txt"), "w") as fh:
+          fh.write(hlo)
+      except Exception as e:  # noqa: BLE001
+        info["errors"].append(f"hlo {name}: {short_error(e)}")
+    diag = [("diag/2gpu/clustered_nostats", clustered_diag(cl2, mesh2, t2, q_pos2, kv_pos2, "no_stats"), sets2),
+            ("diag/2gpu/clustered_local", clustered_diag(cl2, mesh2, t2, q_pos2, kv_pos2, "local"), sets2),
+            ("diag/1gpu_mesh/clustered_local", clustered_diag(cl1, mesh1, t1m, q_pos1m, kv_pos1m, "local"), sets1)]
+  else:
+    diag = []
+
+  pipelines = diag + [("2gpu/clustered", two_gpu_clustered, sets2), ("1gpu_clustered", one_gpu_clustered, sets1),
                ("1gpu_mesh/clustered", one_gpu_mesh_clustered, sets1),
                ("2gpu/score", two_gpu("score"), sets2), ("2gpu/index", two_gpu("index"), sets2),
                ("1gpu_lib", lib_pipeline, sets1), ("1gpu_mesh/score", one_gpu_mesh("score"), sets1),
@@ -534,7 +561,8 @@ def markdown(out: dict) -> str:
                 f"sparsity {c['sparsity']} (kept {c.get('calibrated_kept_fraction', float('nan')):.3f} of clustered "
                 f"keys on the timed queries), {c['clusters_per_device']} clusters/device/head", "",
                 "| pipeline | ms | rel err vs 1gpu_lib | max count diff | overflow |", "|---|---|---|---|---|"]
-      for name in ONE_GPU + TWO_GPU:
+      diag = tuple(k[:-3] for k in c if k.startswith("diag/") and k.endswith("_ms"))
+      for name in ONE_GPU + TWO_GPU + diag:
         ms = c.get(f"{name}_ms")
         err = c.get(f"{name}_rel_err")
         lines.append(f"| {name} | {ms if ms is not None else '—'} | "
@@ -573,6 +601,8 @@ def main(argv=None) -> int:
   ap.add_argument("--e2e-tokens", type=int)
   ap.add_argument("--e2e-hooks", help="comma-separated: clustered,generic (default both)")
   ap.add_argument("--budget-s", type=float)
+  ap.add_argument("--diagnose", action="store_true",
+                  help="also time the clustered 2-GPU path without its collectives and dump its compiled HLO")
   args = ap.parse_args(argv)
   plan = make_plan(args)
   t_start = time.perf_counter()

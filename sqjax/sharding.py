@@ -867,8 +867,11 @@ def clustered_layout(lay: ShardedLayerIndex, k: jax.Array, v: jax.Array, *, mesh
     return _clustered_layout_jit(lay, k, v, mesh=mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "backend", "config"))
-def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh, scale, vote, backend, config):
+@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "backend", "config", "_parts"))
+def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh, scale, vote, backend, config,
+                          _parts="all"):
+    """_parts (benchmark diagnostics only; anything but "all" gives WRONG answers on > 1 shard):
+    "no_stats" skips the statistics all-gather, "local" skips both collectives."""
     from pallas_kernels.clustered_attention import clustered_decode_partial
 
     n_ctx, _ = mesh_shape(mesh)
@@ -877,10 +880,12 @@ def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh
         last = jax.lax.axis_index(CTX) == n_ctx - 1
         o, lse = clustered_decode_partial(
             q, cl.k_sorted, cl.v_sorted, cl.centroids, cl.offsets, t, k_new, v_new, q_pos,
-            jnp.where(last, kv_pos, -1), scale=scale, vote=vote, reduce_stats=_global_stats, backend=backend,
-            config=config)
-        o, lse = _merge_ctx(o[:, None], lse[:, None])
-        return o[:, 0].astype(q.dtype), lse[:, 0]
+            jnp.where(last, kv_pos, -1), scale=scale, vote=vote,
+            reduce_stats=_global_stats if _parts == "all" else None, backend=backend, config=config)
+        if _parts != "local":
+            o, lse = _merge_ctx(o[:, None], lse[:, None])
+            o, lse = o[:, 0], lse[:, 0]
+        return o.astype(q.dtype), lse
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(_clustered_specs(), P(), _H2, _H3, _H3, P(), P()),
                       out_specs=(_H2, P(HEADS)), check_vma=False)
