@@ -68,31 +68,31 @@ def time_ms(fn: Callable, sets: list[tuple], *, reps: int = 20, inner: int = 5) 
     return statistics.median(samples) * 1e3
 
 
-def time_ms_looped(fn: Callable, queries: list, *, n_iter: int = 30, reps: int = 7) -> float:
-    """Device time (ms) per call: `n_iter` calls ``fn(q)`` inside ONE jitted ``fori_loop``.
+def time_ms_looped(fn: Callable, queries: list, *, fixed: tuple = (), n_iter: int = 30, reps: int = 7) -> float:
+    """Device time (ms) per call: `n_iter` calls ``fn(q, *fixed)`` inside ONE jitted ``fori_loop``.
 
     Each iteration takes the next query of `queries` (cycled) and folds the sum of fn's first
     output into a carried scalar, so no call is dead code or loop-invariant. The host dispatches
     one program per `n_iter` calls, as a model's decode step dispatches one program for all its
-    layers: what remains is the GPU's time, kernel launch gaps included. Big arrays fn closes
-    over are passed to the program as arguments (jax hoists closed-over arrays), not embedded.
-    Median over `reps` after a compile + warm-up call.
+    layers: what remains is the GPU's time, kernel launch gaps included. Pass every big array in
+    `fixed` (they become arguments of the program): arrays `fn` closes over would be captured as
+    constants at lowering (gigabytes, slow to compile). Median over `reps` after a warm-up call.
     """
     qs = jax.numpy.stack(list(queries))
     n = len(queries)
 
     @jax.jit
-    def loop(qs):
+    def loop(qs, fixed):
         def body(i, acc):
-            out = jax.tree.leaves(fn(qs[i % n]))[0]
+            out = jax.tree.leaves(fn(qs[i % n], *fixed))[0]
             return acc + jax.numpy.sum(out.astype(jax.numpy.float32))
         return jax.lax.fori_loop(0, n_iter, body, jax.numpy.zeros((), jax.numpy.float32))
 
-    jax.block_until_ready(loop(qs))
+    jax.block_until_ready(loop(qs, fixed))
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(qs))
+        jax.block_until_ready(loop(qs, fixed))
         samples.append((time.perf_counter() - t0) / n_iter)
     return statistics.median(samples) * 1e3
 

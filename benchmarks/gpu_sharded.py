@@ -141,9 +141,9 @@ def short_error(e: BaseException) -> str:
   return msg if len(msg) < 800 else msg[:800] + " ..."
 
 
-def time_ms_looped(fn, queries, *, n_iter: int, reps: int) -> float:
+def time_ms_looped(fn, queries, *, fixed: tuple, n_iter: int, reps: int) -> float:
   from benchmarks._meta import time_ms_looped as _tl
-  return _tl(fn, queries, n_iter=n_iter, reps=reps)
+  return _tl(fn, queries, fixed=fixed, n_iter=n_iter, reps=reps)
 
 
 def time_fn(fn, sets, *, reps: int, inner: int) -> float:
@@ -303,97 +303,85 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
 
   be = plan.backend
 
+  # Every pipeline is f(q, kn, vn, *big) with the big arrays (K/V, index) as ARGUMENTS: a jitted
+  # closure over them would capture gigabytes of constants at lowering.
   def two_gpu(order):
-    def f(q, kn, vn):
-      return sh.sharded_squeezed_attention(lay2, t2, zero2, q, k2, v2, kn, vn, q_pos2, kv_pos2, mesh=mesh2,
+    def f(q, kn, vn, lay, t, zero, k, v, q_pos, kv_pos):
+      return sh.sharded_squeezed_attention(lay, t, zero, q, k, v, kn, vn, q_pos, kv_pos, mesh=mesh2,
                                            capacity=cap2, backend=be, order=order)
-    return f
+    return f, (lay2, t2, zero2, k2, v2, q_pos2, kv_pos2)
 
   def one_gpu_mesh(order):
-    def f(q, kn, vn):
-      return sh.sharded_squeezed_attention(lay1, t1m, zero1m, q, k1m, v1m, kn, vn, q_pos1m, kv_pos1m, mesh=mesh1,
+    def f(q, kn, vn, lay, t, zero, k, v, q_pos, kv_pos):
+      return sh.sharded_squeezed_attention(lay, t, zero, q, k, v, kn, vn, q_pos, kv_pos, mesh=mesh1,
                                            capacity=min(cap1, L), backend=be, order=order)
-    return f
+    return f, (lay1, t1m, zero1m, k1m, v1m, q_pos1m, kv_pos1m)
 
-  from pallas_kernels import sparse_attention
+  from pallas_kernels import clustered_decode_attention, sparse_attention
   from sqjax import dispatch
 
-  @jax.jit
-  def lib_jit(eq_layer, k1, v1, t, t1_, q_pos, kv_pos, q, kn, vn):   # big arrays as arguments, not constants
+  def lib_pipeline(q, kn, vn, eq_layer, k, v, t, t1_, q_pos, kv_pos):
     with dispatch.using(be):
       ret, _ = squeezed.lookup(eq_layer, q, t, t1_, scale=scale, vote="kv", n_tail=eq.n_tail, capacity=eq.capacity,
                                n_sink=eq.n_sink)
-    o = sparse_attention(q, k1, v1, ret.idx, ret.count, kn, vn, q_pos, kv_pos, scale=scale, backend=be)
+    o = sparse_attention(q, k, v, ret.idx, ret.count, kn, vn, q_pos, kv_pos, scale=scale, backend=be)
     return o, ret.count, ret.overflow
 
-  def lib_pipeline(q, kn, vn):
-    return lib_jit(eq_layer, k1, v1, t1, zero1, q_pos1, kv_pos1, q, kn, vn)
-
   # The fused clustered kernel over cluster-contiguous storage (same clusters, sorted copies of K/V).
-  from pallas_kernels import clustered_decode_attention
   cl2 = sh.clustered_layout(lay2, k2, v2, mesh=mesh2)
   cl1 = sh.clustered_layout(lay1, k1m, v1m, mesh=mesh1)
 
-  @jax.jit     # one program per call (no eager slicing of q outside it)
-  def two_gpu_clustered(q, kn, vn):
-    return sh.sharded_clustered_decode(cl2, t2, q[:, 0], kn, vn, q_pos2, kv_pos2, mesh=mesh2, backend=be)
-
-  @jax.jit
-  def one_gpu_mesh_clustered(q, kn, vn):
-    return sh.sharded_clustered_decode(cl1, t1m, q[:, 0], kn, vn, q_pos1m, kv_pos1m, mesh=mesh1, backend=be)
-
-  @jax.jit
-  def clustered_jit(ks, vs, cent, offs, t, q_pos, kv_pos, q, kn, vn):
-    return clustered_decode_attention(q[:, 0], ks, vs, cent, offs, t, kn, vn, q_pos, kv_pos, scale=scale,
-                                      backend=be)
-
-  def one_gpu_clustered(q, kn, vn):
-    return clustered_jit(cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1, kv_pos1, q, kn, vn)
-
-  def clustered_diag(cl, mesh, t, q_pos, kv_pos, parts):   # timing diagnostics (wrong answers on 2 GPUs)
-    @jax.jit
-    def f(q, kn, vn):
+  def sharded_clustered(mesh, parts="all"):   # parts != "all": timing diagnostics (wrong answers on 2 GPUs)
+    def f(q, kn, vn, cl, t, q_pos, kv_pos):
       return sh._clustered_decode_jit(cl, t, q[:, 0], kn, vn, q_pos, kv_pos, mesh=mesh, scale=scale, vote="kv",
                                       backend=be, config=None, _parts=parts)
     return f
 
+  def one_gpu_clustered(q, kn, vn, ks, vs, cent, offs, t, q_pos, kv_pos):
+    return clustered_decode_attention(q[:, 0], ks, vs, cent, offs, t, kn, vn, q_pos, kv_pos, scale=scale,
+                                      backend=be)
+
+  big_c2 = (cl2, t2, q_pos2, kv_pos2)
+  big_c1m = (cl1, t1m, q_pos1m, kv_pos1m)
+  diag = []
   if plan.diagnose:
-    for name, cl, mesh, t, qp, kp in (("2gpu", cl2, mesh2, t2, q_pos2, kv_pos2),
-                                      ("1gpu_mesh", cl1, mesh1, t1m, q_pos1m, kv_pos1m)):
+    for name, mesh, big, sets in (("2gpu", mesh2, big_c2, sets2), ("1gpu_mesh", mesh1, big_c1m, sets1)):
       try:
-        hlo = sh._clustered_decode_jit.lower(cl, t, sets2[0][0][:, 0] if name == "2gpu" else sets1[0][0][:, 0],
-                                             *(sets2 if name == "2gpu" else sets1)[0][1:], qp, kp, mesh=mesh,
-                                             scale=scale, vote="kv", backend=be, config=None).compile().as_text()
+        hlo = jax.jit(sharded_clustered(mesh)).lower(*sets[0], *big).compile().as_text()
         with open(os.path.join(plan.out, f"hlo_{name}_clustered.txt"), "w") as fh:
           fh.write(hlo)
       except Exception as e:  # noqa: BLE001
         info["errors"].append(f"hlo {name}: {short_error(e)}")
-    diag = [("diag/2gpu/clustered_nostats", clustered_diag(cl2, mesh2, t2, q_pos2, kv_pos2, "no_stats"), sets2),
-            ("diag/2gpu/clustered_local", clustered_diag(cl2, mesh2, t2, q_pos2, kv_pos2, "local"), sets2),
-            ("diag/1gpu_mesh/clustered_local", clustered_diag(cl1, mesh1, t1m, q_pos1m, kv_pos1m, "local"), sets1)]
-  else:
-    diag = []
+    diag = [("diag/2gpu/clustered_nostats", sharded_clustered(mesh2, "no_stats"), big_c2, sets2),
+            ("diag/2gpu/clustered_local", sharded_clustered(mesh2, "local"), big_c2, sets2),
+            ("diag/1gpu_mesh/clustered_local", sharded_clustered(mesh1, "local"), big_c1m, sets1)]
 
-  pipelines = diag + [("2gpu/clustered", two_gpu_clustered, sets2), ("1gpu_clustered", one_gpu_clustered, sets1),
-               ("1gpu_mesh/clustered", one_gpu_mesh_clustered, sets1),
-               ("2gpu/score", two_gpu("score"), sets2), ("2gpu/index", two_gpu("index"), sets2),
-               ("1gpu_lib", lib_pipeline, sets1), ("1gpu_mesh/score", one_gpu_mesh("score"), sets1),
-               ("1gpu_mesh/index", one_gpu_mesh("index"), sets1)]
+  pipelines = diag + [
+      ("2gpu/clustered", sharded_clustered(mesh2), big_c2, sets2),
+      ("1gpu_clustered", one_gpu_clustered, (cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1,
+                                             kv_pos1), sets1),
+      ("1gpu_mesh/clustered", sharded_clustered(mesh1), big_c1m, sets1),
+      ("2gpu/score", *two_gpu("score"), sets2), ("2gpu/index", *two_gpu("index"), sets2),
+      ("1gpu_lib", lib_pipeline, (eq_layer, k1, v1, t1, zero1, q_pos1, kv_pos1), sets1),
+      ("1gpu_mesh/score", *one_gpu_mesh("score"), sets1), ("1gpu_mesh/index", *one_gpu_mesh("index"), sets1)]
   results = {}
   if plan.pipelines:
     pipelines = [p for p in pipelines if p[0] in plan.pipelines]
-  for name, fn, sets in pipelines:
+  for name, f, big, sets in pipelines:
     if time.perf_counter() - t_start > plan.budget_s * (0.45 if plan.e2e else 0.9):
       info["errors"].append(f"{name}: skipped (time budget)")
       continue
     try:
-      res = fn(*sets[0])
-      results[name] = res
-      info[f"{name}_ms"] = round(time_fn(fn, sets, reps=plan.reps, inner=plan.inner), 4)
+      jf = jax.jit(f)   # one program per call
+
+      def call(q, kn, vn, jf=jf, big=big):
+        return jf(q, kn, vn, *big)
+
+      results[name] = call(*sets[0])
+      info[f"{name}_ms"] = round(time_fn(call, sets, reps=plan.reps, inner=plan.inner), 4)
       # device time per call: the calls inside one jitted loop (host dispatch paid once per loop)
-      info[f"{name}_loop_ms"] = round(time_ms_looped(lambda q, fn=fn, rest=sets[0][1:]: fn(q, *rest),
-                                                     [x[0] for x in sets], n_iter=plan.loop_iters,
-                                                     reps=plan.reps), 4)
+      info[f"{name}_loop_ms"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
+                                                     n_iter=plan.loop_iters, reps=plan.reps), 4)
     except Exception as e:  # noqa: BLE001 - report and go on
       info["errors"].append(f"{name}: {short_error(e)}")
       traceback.print_exc()

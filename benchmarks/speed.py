@@ -272,8 +272,11 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
         if kernel:
             row["total_ms"] = time_ms(kern, [(kidx, layout, *s) for s in sets], reps=plan.reps)
         if t == 1:  # device time per decode, host dispatch amortised as in a model step
-            timed = (lambda q: kern(kidx, layout, q, *ctx)) if kernel else (lambda q: lib(index, q, *ctx))
-            row["total_loop_ms"] = time_ms_looped(timed, qs, n_iter=plan.loop_iters, reps=plan.reps)
+            if kernel:
+                timed, fixed = (lambda q, ki, lay, *c: kern(ki, lay, q, *c)), (kidx, layout, *ctx)
+            else:
+                timed, fixed = (lambda q, ix, *c: lib(ix, q, *c)), (index, *ctx)
+            row["total_loop_ms"] = time_ms_looped(timed, qs, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
             if best_dense_loop:
                 row["speedup_vs_best_dense_loop"] = best_dense_loop / row["total_loop_ms"]
         row["path"] = _PATHS.get(method.name) or ("fused clustered decode kernel" if kernel else "lookup + retrieve + "
@@ -346,14 +349,15 @@ def _dense_loop_times(plan: Plan, log, qs, ctx, tag: str) -> dict:
     k, v, kn, vn = ctx[:4]
     kk = jnp.concatenate([k, kn], 1).swapaxes(0, 1)[None]
     vv = jnp.concatenate([v, vn], 1).swapaxes(0, 1)[None]
-    fns = {name: (lambda q, fn=fn: fn(q.swapaxes(0, 1)[None], kk, vv)) for name, fn in _dense_fns_nocat(plan).items()}
+    fns = {name: (lambda q, kk, vv, fn=fn: fn(q.swapaxes(0, 1)[None], kk, vv), (kk, vv))
+           for name, fn in _dense_fns_nocat(plan).items()}
     if hasattr(pallas_kernels, "dense_decode_attention"):
-        fns["pallas"] = lambda q: pallas_kernels.dense_decode_attention(q, *ctx, scale=1.0 / math.sqrt(plan.d),
-                                                                        backend=plan.backend)
+        fns["pallas"] = (lambda q, *c: pallas_kernels.dense_decode_attention(q, *c, scale=1.0 / math.sqrt(plan.d),
+                                                                             backend=plan.backend), ctx)
     out = {}
-    for name, fn in fns.items():
+    for name, (fn, fixed) in fns.items():
         try:
-            out[name] = time_ms_looped(fn, qs, n_iter=plan.loop_iters, reps=plan.reps)
+            out[name] = time_ms_looped(fn, qs, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
         except Exception as e:  # noqa: BLE001
             log(f"[dense loop] {tag} {name}: ERROR {_err(e)}")
     log(f"[dense loop] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))

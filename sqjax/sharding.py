@@ -875,6 +875,7 @@ def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh
     from pallas_kernels.clustered_attention import clustered_decode_partial
 
     n_ctx, _ = mesh_shape(mesh)
+    q_pos = q_pos.reshape(1)   # inside the program: no eager op on a (multi-device) array per call
 
     def body(cl, t, q, k_new, v_new, q_pos, kv_pos):
         last = jax.lax.axis_index(CTX) == n_ctx - 1
@@ -925,7 +926,7 @@ def sharded_clustered_decode(
         raise ValueError(f"vote must be one of {squeezed.VOTES}; got {vote!r}")
     _check_divisible(cl.k_sorted.shape[0], cl.k_sorted.shape[1], n_ctx, n_heads)
     return _clustered_decode_jit(cl, jnp.asarray(threshold, jnp.float32), q, k_new, v_new,
-                                 jnp.asarray(q_pos, jnp.int32).reshape(1), jnp.asarray(kv_pos, jnp.int32), mesh=mesh,
+                                 jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32), mesh=mesh,
                                  scale=_scale(scale, q.shape[-1]), vote=vote, backend=_resolve_backend(backend),
                                  config=config)
 

@@ -76,7 +76,8 @@ def test_2d_mesh_and_orbax_round_trip(rng, tmp_path):
 
 def test_gpu_benchmark_cpu_smoke(tmp_path):
     """benchmarks/gpu_sharded.py end to end at tiny shapes on 2 CPU host devices."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    # a jitted closure over the fixed context would capture it as constants (GBs on a GPU): warn at 64 KB
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="65536",
                XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
     r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_sharded", "--cpu-smoke", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -98,6 +99,10 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
         assert c["tokens_per_s"] > 0 and len(c["run_s"]) == c["runs"]
         assert 0.05 < c["calibrated_kept_fraction"] < 0.15
     assert r.stdout.rstrip().endswith(md.rstrip())   # the markdown table is printed last
+    assert "constants were captured" not in r.stderr
+    for name in ("2gpu/clustered", "1gpu_clustered", "1gpu_lib"):
+        assert dec[f"{name}_loop_ms"] > 0
+    assert dec["ratio_loop"] > 0
 
 
 def test_gpu_benchmark_without_gpu_is_a_clear_error(tmp_path, capsys):

@@ -1,0 +1,34 @@
+"""benchmarks/speed.py (``sqjax bench``) end to end at tiny shapes on CPU: the decode rows of every
+method with their per-call and device-loop timings, dense baselines from the same run, and no
+big array captured as a compile-time constant (the GPU run would embed gigabytes)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_speed_decode_rows_cpu_smoke(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="65536")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--cpu-smoke", "--only-kernels", "--phases",
+                        "decode", "--shapes", "4x2", "--sparsities", "0.9", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "constants were captured" not in r.stderr
+    res = json.loads((tmp_path / "speed.json").read_text())
+    for key in ("meta", "plan", "kernels"):
+        assert key in res
+    for k in ("device", "jax", "git_commit"):
+        assert res["meta"][k]
+    rows = [x for x in res["kernels"] if "method" in x]
+    assert {x["method"] for x in rows} == {"squeezed", "hsqueezed", "quest", "saap"}
+    for x in rows:
+        assert "error" not in x, x.get("error")
+        assert x["total_ms"] > 0 and x["total_loop_ms"] > 0 and 0 < x["retrieved_frac"] <= 1
+        assert x["dense_ms"] and x["dense_loop_ms"]
+        assert x["speedup_vs_best_dense_loop"] == min(x["dense_loop_ms"].values()) / x["total_loop_ms"]
+    md = (tmp_path / "speed.md").read_text()
+    assert "device time per call" in md
