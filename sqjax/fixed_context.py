@@ -392,6 +392,7 @@ class FixedContext:
                 "doc_ids": self.doc_ids, "last_logits": self.last_logits}
         header = {
             "model_fingerprint": self.model.fingerprint,
+            "model_dtype": jnp.dtype(getattr(self.model, "dtype", self.data.k.dtype)).name,
             "model_name": self.model.name,
             "model_source": getattr(self.model, "source", None),
             "tokenizer": getattr(self.model.tokenizer, "name", None),
@@ -409,6 +410,12 @@ class FixedContext:
             tree, header = index_io.load_index(path, expected_fingerprint=model.fingerprint)
         except index_io.IndexFileError as e:
             raise SqjaxError(str(e)) from None
+        built = header.get("model_dtype")
+        have = jnp.dtype(getattr(model, "dtype", jnp.float32)).name
+        if built is not None and built != have:
+            raise SqjaxError(f"{path} was built with the model in {built}, this model runs in {have}: its stored "
+                             f"keys/values and thresholds belong to {built}; load the model with dtype={built} "
+                             f"or rebuild the index")
         m = header["method"]
         method = method_from_name(m["name"], **m["params"])
         doc = header["document"]

@@ -169,6 +169,9 @@ def test_other_version_and_other_model(model, full_ctx, tmp_path):
         FixedContext.load(old, model)
     with pytest.raises(SqjaxError, match="built with another model"):
         FixedContext.load(path, tiny_model(seed=1))
+    # same weights, another compute dtype: the stored K/V and thresholds belong to the build dtype
+    with pytest.raises(SqjaxError, match="built with the model in float32.*runs in bfloat16.*dtype=float32"):
+        FixedContext.load(path, dataclasses.replace(model, dtype=jnp.bfloat16))
 
 
 def test_save_is_atomic(full_ctx, tmp_path, monkeypatch):
