@@ -259,6 +259,60 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d):
   assert rel(out, ref) < tol
 
 
+def _union_layout(parts):
+  """Two cluster-contiguous slices -> one layout over both: slice 0's clusters, slice 1's, then
+  both exact parts (per KV head; offsets shifted)."""
+  (x0, m0), (x1, m1) = parts
+  hkv = m0["counts"].shape[0]
+  ks, vs, offs = [], [], []
+  for h in range(hkv):
+    o0, o1 = np.asarray(x0["offs"][h]), np.asarray(x1["offs"][h])
+    for name, out in (("k", ks), ("v", vs)):
+      a0, a1 = f64(x0[name][h]), f64(x1[name][h])
+      out.append(np.concatenate([a0[:o0[-1]], a1[:o1[-1]], a0[o0[-1]:], a1[o1[-1]:]]))
+    offs.append(np.concatenate([o0[:-1], o0[-1] + o1]))
+  dt = x0["k"].dtype
+  return dict(x0, k=jnp.asarray(np.stack(ks), dt), v=jnp.asarray(np.stack(vs), dt),
+              cent=jnp.concatenate([x0["cent"], x1["cent"]], axis=1),
+              offs=jnp.asarray(np.stack(offs), jnp.int32))
+
+
+@pytest.mark.parametrize("vote,backend", [("kv", "interpret"), ("q", "interpret"), ("kv", "reference")])
+def test_partial_over_two_slices_equals_one_layout(rng, vote, backend):
+  """clustered_decode_partial on two context slices (each its own clusters), with the Eq. 1
+  statistics combined across them (vmap over a "ctx" axis, the all-gather of
+  `sharding._global_stats`) and a log-sum-exp merge == one decode over the union layout."""
+  from pallas_kernels.clustered_attention import clustered_decode_partial
+  from sqjax.sharding import CTX, _global_stats
+
+  scale = 32 ** -0.5
+  parts = [make_case(rng, hq=8, hkv=2, d=32, num_c=19, n_clustered=150) for _ in range(2)]
+  union = _union_layout(parts)
+  counts = np.diff(np.asarray(union["offs"]), axis=1)
+  s = np_scores(union["q"], union["cent"], counts, scale, vote)
+  thr = pick_threshold(s, np.repeat(counts > 0, s.shape[0] // 2, axis=0))
+  x0, x1 = (p[0] for p in parts)
+  no_new = jnp.full_like(x0["kvp"], -1)                 # the user input lives on the last slice
+  stack = lambda name: jnp.stack([x0[name], x1[name]])  # noqa: E731
+
+  def one(k, v, cent, offs, kvp):
+    return clustered_decode_partial(union["q"], k, v, cent, offs, jnp.float32(thr), union["kn"], union["vn"],
+                                    union["qp"], kvp, scale=scale, vote=vote, reduce_stats=_global_stats,
+                                    backend=backend, config=SMALL)
+
+  o, lse = jax.vmap(one, axis_name=CTX)(stack("k"), stack("v"), stack("cent"), stack("offs"),
+                                        jnp.stack([no_new, union["kvp"]]))
+  tot = jax.nn.logsumexp(lse, axis=0)
+  merged = jnp.sum(jnp.exp(lse - tot)[..., None] * o, axis=0)
+  ref = clustered_decode_attention_reference(*args_of(union, thr), scale=scale, vote=vote)
+  assert o.dtype == jnp.float32 and lse.shape == (2, 8)
+  assert rel(merged, ref) < 2e-5
+  # one slice alone, no reduction: the single-layout kernel's answer and log-sum-exp
+  o1, lse1 = clustered_decode_partial(*args_of(x1, thr), scale=scale, vote=vote, backend=backend, config=SMALL)
+  assert rel(o1, clustered_decode_attention_reference(*args_of(x1, thr), scale=scale, vote=vote)) < 2e-5
+  assert np.isfinite(np.asarray(lse1)).all()
+
+
 @pytest.mark.parametrize("vote,seq_len", [("kv", 1), ("q", 1), ("kv", 5), ("q", 4)])
 def test_reference_matches_bruteforce(rng, vote, seq_len):
   d = 16
