@@ -14,12 +14,13 @@ def _pos(x) -> bool:
 
 
 def test_decode_profile_cpu_smoke(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="16384",
              XLA_FLAGS="--xla_backend_optimization_level=0")
   r = subprocess.run([sys.executable, "-m", "benchmarks.decode_profile", "--cpu-smoke",
                       "--out", str(tmp_path)],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+  assert "constants were captured" not in r.stderr   # big arrays reach every jit as arguments
   res = json.loads((tmp_path / "decode_profile.json").read_text())
   md = (tmp_path / "decode_profile.md").read_text()
   for key in ("device", "jax_version", "git_commit", "dtype", "shapes", "plan", "copy_bandwidth",
@@ -34,6 +35,8 @@ def test_decode_profile_cpu_smoke(tmp_path):
   for impl in ("xla", "pallas"):                 # cuDNN: GPU only
     assert _pos(case["dense_ms"][impl]) and _pos(case["ratio_dense_over_sparse"][impl])
   assert _pos(case["ratio_best_dense_over_sparse"])
+  assert _pos(case["whole_loop_ms"]) and _pos(case["ratio_best_dense_over_sparse_loop"])
+  assert all(_pos(t) for t in case["dense_loop_ms"].values()) and case["dense_loop_ms"]
   b = case["bytes"]
   for key in ("centroid_bytes", "kv_rows_bytes", "kv_new_bytes", "logits_bytes_each_way",
               "partials_bytes_each_way", "rows_attended_mean"):
