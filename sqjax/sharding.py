@@ -48,6 +48,16 @@ offset by ``p·C``; clusters never span slices), and on that index
   output equals single-device sparse attention over the same retrieved keys (f32: ≤ 1e-5
   relative; tests/test_sharding.py checks 8 CPU devices as 8×1, 1×8 and 4×2 meshes).
 
+Fused decode over cluster-contiguous storage (one-level indexes). `clustered_layout` (offline,
+per layer) sorts every device's K/V slice by its local clusters, exact keys last: a selected
+cluster is then a contiguous row range and there is no capacity, no index list and no overflow.
+`sharded_clustered_decode` runs `pallas_kernels.clustered_decode_partial` on each device: the
+scoring kernel over its centroids, one all-gather of the per-head Eq. 1 (max, denominator)
+(`_global_stats`, the same reduction as the scores above), the attention kernel over its
+selected ranges + exact keys (+ the user input on the last shard), one all-gather for the
+log-sum-exp merge. `ShardedClusteredHook` / `clustered_context_state` serve a model from that
+storage (T > 1 blocks take the generic path over the same sorted rows).
+
 The capacity (static number of retrieved keys, exact tokens included) is **per device**:
 ``capacity = max exact tokens on a device + ceil(capacity_fraction · max clustered keys on a
 device)``. Overflow is per device and never silent (``overflow [Hs, P]``); with overflow the
