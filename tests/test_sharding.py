@@ -148,6 +148,24 @@ def test_clear_errors_on_one_device():
 
     with pytest.raises(ValueError, match="mesh needs axes"):
         sharding.mesh_shape(Mesh(np.asarray(mesh.devices).reshape(1), ("x",)))
+    # the clustered path: shapes named in the message
+    hkv, length, d, c = 2, 64, 8, 4
+    lay = sharding.ShardedLayerIndex(jnp.zeros((hkv, c, d)), jnp.ones((hkv, c), jnp.int32),
+                                     jnp.zeros((hkv, length), jnp.int32), jnp.zeros((hkv, length), jnp.int32),
+                                     jnp.zeros((hkv, c + 2), jnp.int32), jnp.zeros((hkv, 0, d)),
+                                     jnp.zeros((hkv, 0), jnp.int32), jnp.zeros((hkv, c), jnp.int32))
+    with pytest.raises(ValueError, match=r"k.*\[Hkv, L, d\]"):
+        sharding.clustered_layout(lay, jnp.zeros((length, d)), jnp.zeros((length, d)), mesh=mesh)
+    with pytest.raises(ValueError, match="fixed context length"):
+        sharding.clustered_layout(lay, jnp.zeros((hkv, 32, d)), jnp.zeros((hkv, 32, d)), mesh=mesh)
+    cl = sharding.ShardedClusteredLayer(jnp.zeros((hkv, length, d)), jnp.zeros((hkv, length, d)),
+                                        jnp.zeros((hkv, c, d)), jnp.zeros((hkv, c + 1), jnp.int32), lay)
+    with pytest.raises(ValueError, match=r"q.*\[Hq, d\]"):
+        sharding.sharded_clustered_decode(cl, 0.1, jnp.zeros((4, 1, d)), jnp.zeros((hkv, 1, d)),
+                                          jnp.zeros((hkv, 1, d)), [length], [length], mesh=mesh)
+    with pytest.raises(ValueError, match="vote"):
+        sharding.sharded_clustered_decode(cl, 0.1, jnp.zeros((4, d)), jnp.zeros((hkv, 1, d)),
+                                          jnp.zeros((hkv, 1, d)), [length], [length], mesh=mesh, vote="x")
 
 
 # ---------------------------------------------------------------------------------------------
