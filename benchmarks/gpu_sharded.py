@@ -66,6 +66,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from benchmarks._meta import time_ms_looped  # noqa: E402
 from sqjax import sharding as sh  # noqa: E402
 from sqjax import squeezed  # noqa: E402
 
@@ -139,11 +140,6 @@ def make_plan(args) -> Plan:
 def short_error(e: BaseException) -> str:
   msg = f"{type(e).__name__}: {e}"
   return msg if len(msg) < 800 else msg[:800] + " ..."
-
-
-def time_ms_looped(fn, queries, *, fixed: tuple, n_iter: int, reps: int) -> float:
-  from benchmarks._meta import time_ms_looped as _tl
-  return _tl(fn, queries, fixed=fixed, n_iter=n_iter, reps=reps)
 
 
 def time_fn(fn, sets, *, reps: int, inner: int) -> float:

@@ -317,50 +317,35 @@ def _saap_probes(method, index, qs, length: int, frac: float) -> int:
     return int(np.argmin(np.abs((cum + dense) / length - frac))) + 1
 
 
-def _dense_times(plan: Plan, log, qs, ctx, tag: str) -> dict:
+def _dense_times(plan: Plan, log, qs, ctx, tag: str, looped: bool = False) -> dict:
     """Dense baselines, new part appended outside the timing: cuDNN, XLA (where its T x L scores
-    fit) and, for decode, the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`)."""
+    fit) and, for decode, the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`).
+
+    Per call (`time_ms`), or with ``looped`` the device time per call (`time_ms_looped`): the same
+    jitted functions on the same prepared queries, K/V passed as arguments either way."""
     import pallas_kernels
 
     k, v, kn, vn = ctx[:4]
     t, length = qs[0].shape[1], k.shape[1]
     kk = jnp.concatenate([k, kn], 1).swapaxes(0, 1)[None]
     vv = jnp.concatenate([v, vn], 1).swapaxes(0, 1)[None]
-    cases = {name: (fn, [(qq.swapaxes(0, 1)[None], kk, vv) for qq in qs]) for name, fn in _dense_fns_nocat(plan).items()
+    # name -> (jitted fn(q, *fixed), its queries, fixed)
+    cases = {name: (fn, [qq.swapaxes(0, 1)[None] for qq in qs], (kk, vv)) for name, fn in _dense_fns_nocat(plan).items()
              if not (name == "xla" and qs[0].shape[0] * t * length * 4 > 16 << 30)}  # XLA's f32 Hq x T x L scores: OOM
     if t == 1 and hasattr(pallas_kernels, "dense_decode_attention"):
         fn = functools.partial(pallas_kernels.dense_decode_attention, scale=1.0 / math.sqrt(plan.d),
                                backend=plan.backend)
-        cases["pallas"] = (fn, [(qq, *ctx) for qq in qs])
+        cases["pallas"] = (fn, list(qs), tuple(ctx))
     out = {}
-    for name, (fn, sets) in cases.items():
+    for name, (fn, queries, fixed) in cases.items():
         try:
-            out[name] = time_ms(fn, sets, reps=plan.reps)
+            if looped:
+                out[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
+            else:
+                out[name] = time_ms(fn, [(qq, *fixed) for qq in queries], reps=plan.reps)
         except Exception as e:  # noqa: BLE001
-            log(f"[dense] {tag} {name}: ERROR {_err(e)}")
-    log(f"[dense] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
-    return out
-
-
-def _dense_loop_times(plan: Plan, log, qs, ctx, tag: str) -> dict:
-    """Decode only: the dense baselines of `_dense_times`, timed in a device loop (`time_ms_looped`)."""
-    import pallas_kernels
-
-    k, v, kn, vn = ctx[:4]
-    kk = jnp.concatenate([k, kn], 1).swapaxes(0, 1)[None]
-    vv = jnp.concatenate([v, vn], 1).swapaxes(0, 1)[None]
-    fns = {name: (lambda q, kk, vv, fn=fn: fn(q.swapaxes(0, 1)[None], kk, vv), (kk, vv))
-           for name, fn in _dense_fns_nocat(plan).items()}
-    if hasattr(pallas_kernels, "dense_decode_attention"):
-        fns["pallas"] = (lambda q, *c: pallas_kernels.dense_decode_attention(q, *c, scale=1.0 / math.sqrt(plan.d),
-                                                                             backend=plan.backend), ctx)
-    out = {}
-    for name, (fn, fixed) in fns.items():
-        try:
-            out[name] = time_ms_looped(fn, qs, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
-        except Exception as e:  # noqa: BLE001
-            log(f"[dense loop] {tag} {name}: ERROR {_err(e)}")
-    log(f"[dense loop] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
+            log(f"[dense{' loop' if looped else ''}] {tag} {name}: ERROR {_err(e)}")
+    log(f"[dense{' loop' if looped else ''}] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
     return out
 
 
@@ -416,7 +401,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
         ctx = (k, v, kn, vn, (length + n_new - t + jnp.arange(t)).astype(jnp.int32), kv_pos)
         dense_ms = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}")
         best = min(dense_ms.values(), default=None)
-        dense_loop = _dense_loop_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}") if t == 1 else {}
+        dense_loop = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}", looped=True) if t == 1 else {}
         best_loop = min(dense_loop.values(), default=None)
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
                 "dense_ms": dense_ms, "dense_loop_ms": dense_loop}
