@@ -54,6 +54,14 @@ def sample_logits(logits, key, temperature, top_p, *, greedy: bool, use_top_p: b
 _sample_jit = jax.jit(sample_logits, static_argnames=("greedy", "use_top_p"))
 
 
+@jax.jit
+def _mask_stopped(nxt, done, stop, pad_id):
+    """int32 [B] sampled ids -> (the next step's input ids [B], done [B]): rows that have hit a
+    stop id (now or before) are fed ``pad_id`` from here on."""
+    done = done | jnp.isin(nxt, stop)
+    return jnp.where(done, pad_id, nxt).astype(jnp.int32), done
+
+
 @partial(
     jax.jit, static_argnames=("attn_fn", "greedy", "use_top_p"), donate_argnames=("cache",)
 )
@@ -240,26 +248,38 @@ def generate(
     out: list[list[int]] = [[] for _ in range(B)]
     done = np.zeros(B, bool)
     next_pos = np.asarray([position_offset + len(p) for p in prompts], np.int32)
+    stop_dev = jnp.asarray(stop, jnp.int32)
+    done_dev = jnp.zeros((B,), bool)
+    nxt_dev = first
     steps = 0
     for step in range(max_new_tokens):
-        if step > 0:
-            nxt_dev, _, cache = decode_step(
-                graphdef, state, jnp.asarray(cur), jnp.asarray(next_pos), cache, key,
-                jnp.int32(step), temp, topp, attn_state,
+        # pipelined: step+1 is dispatched before token `step` reaches the host, so the host's
+        # bookkeeping (and its kernel enqueueing) overlaps the device's work; the stop mask is
+        # applied on the device. A halt decided on the host rewinds that one extra token.
+        cur_dev, done_dev = _mask_stopped(nxt_dev, done_dev, stop_dev, pad_id)
+        ahead = step + 1 < max_new_tokens
+        if ahead:
+            nxt_ahead, _, cache = decode_step(
+                graphdef, state, cur_dev, jnp.asarray(next_pos), cache, key,
+                jnp.int32(step + 1), temp, topp, attn_state,
                 attn_fn=attn_fn, greedy=greedy, use_top_p=use_top_p,
             )
             next_pos = next_pos + 1
-            nxt = np.asarray(nxt_dev)
             steps += 1
+        nxt = np.asarray(nxt_dev)
         reported = np.where(done, -1, nxt).astype(np.int32)
         for b in range(B):
             if not done[b]:
                 out[b].append(int(nxt[b]))
         done |= np.isin(nxt, stop) & ~done
-        cur = np.where(done, pad_id, nxt).astype(np.int32)
         halt = bool(on_token(step, reported)) if on_token is not None else False
         if halt or done.all():
+            if ahead:  # the step dispatched ahead fed a token nobody asked for
+                cache = cache.rewind(1)
+                steps -= 1
             break
+        if ahead:
+            nxt_dev = nxt_ahead
     t2 = time.perf_counter()
 
     texts = None

@@ -74,3 +74,16 @@ class KVCache:
         rows = jnp.arange(B, dtype=jnp.int32)[:, None]
         pos = self.pos.at[rows, slots].set(positions.astype(jnp.int32), mode="drop")
         return self.replace(pos=pos, length=self.length + T)
+
+    def rewind(self, n: int = 1) -> "KVCache":
+        """Forget the last ``n`` tokens of every row: their slots become empty (pos -1) and
+        ``length`` drops by n, so the next write reuses them (the stale K/V stay invisible)."""
+        if n < 0:
+            raise ValueError(f"rewind needs n >= 0, got {n}")
+        if n == 0:
+            return self
+        S = self.capacity
+        slots = jnp.arange(S, dtype=jnp.int32)[None]  # [1, S]
+        drop = (slots >= self.length[:, None] - n) & (slots < self.length[:, None])  # [B, S]
+        return self.replace(pos=jnp.where(drop, -1, self.pos), length=jnp.maximum(self.length - n, 0))
+

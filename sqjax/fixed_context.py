@@ -254,6 +254,16 @@ class FixedContext:
             attn_fn=self._hook, attn_state=self._state, capture_last=capture, logits="all",
         )
 
+    def _run_token(self, token: jax.Array, pos: int, cache):
+        """One decode step: int32 [1] token (may still be on the device) at position `pos`,
+        capturing the layer queries for the accounting."""
+        from models.forward import forward_jit
+
+        return forward_jit(
+            self.model.graphdef, self.model.state, jnp.reshape(token, (1, 1)), jnp.full((1, 1), pos, jnp.int32),
+            cache, attn_fn=self._hook, attn_state=self._state, capture_last=1, logits="all",
+        )
+
     def _new_cache(self, n: int):
         return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
 
@@ -291,8 +301,8 @@ class FixedContext:
                 f"document ({self.n_tokens}) + question ({len(q_ids)}) + max_new_tokens ({max_new_tokens}) = {total} "
                 f"tokens exceed the model's context of {self.model.config.max_position_embeddings}; ask for fewer tokens"
             )
-        tok = self.model.tokenizer
-        stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok.eos_ids))
+        tok_dec = self.model.tokenizer
+        stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
         padded_len = -(-len(q_ids) // _BUCKET) * _BUCKET
         padded = np.concatenate([np.full(padded_len - len(q_ids), -1, np.int32), q_ids])
         key = jax.random.key(seed)
@@ -308,20 +318,31 @@ class FixedContext:
         out, step_caps, step_times = [], [], []
         pos = self.n_tokens + len(q_ids)
         emitted = ""
+        nxt_dev, t_prev = None, time.perf_counter()
         for step in range(max_new_tokens):
+            # pipelined: the step that feeds token `step` is dispatched (from the token still on
+            # the device) before the host reads it, so streaming and bookkeeping overlap the
+            # device's work; a stop discards that one step ahead.
+            ahead = None
+            if step < max_new_tokens - 1:
+                tok = jnp.full((1,), nxt, jnp.int32) if nxt_dev is None else nxt_dev
+                logits, cache, caps = self._run_token(tok, pos, cache)
+                ahead = (_sample(logits[0, -1], jax.random.fold_in(key, step + 1), temperature, top_p), caps)
+                pos += 1
+            if nxt_dev is not None:
+                nxt = int(nxt_dev[0])
+                now = time.perf_counter()
+                step_times.append(now - t_prev)  # between consecutive tokens reaching the host
+                t_prev = now
             out.append(nxt)
             if on_token is not None:
-                text = tok.decode(out)
+                text = tok_dec.decode(out)
                 on_token(text[len(emitted):])
                 emitted = text
-            if nxt in stop or step == max_new_tokens - 1:
+            if nxt in stop or ahead is None:
                 break
-            ts = time.perf_counter()
-            logits, cache, caps = self._run(np.asarray([nxt], np.int32), pos, cache, capture=1)
-            nxt = int(_sample(logits[0, -1], jax.random.fold_in(key, step + 1), temperature, top_p))
-            step_times.append(time.perf_counter() - ts)
-            step_caps.append(caps)
-            pos += 1
+            nxt_dev = jnp.reshape(ahead[0], (1,))
+            step_caps.append(ahead[1])
         step_sel = None
         if step_caps:
             n_pad = max_new_tokens - 1  # a fixed number of lookups: one compilation per max_new_tokens
@@ -329,7 +350,7 @@ class FixedContext:
             qs = jnp.stack(qs + [jnp.zeros_like(qs[0])] * (n_pad - len(qs)), axis=2)  # [2, layers, S, Hq, 1, d]
             step_sel = self._lookup_stats(qs[0], qs[1], len(step_caps))
         stats = self._stats(prefill_sel, step_sel, len(q_ids), len(out), ttft, step_times)
-        return Answer(tok.decode(out), out, stats)
+        return Answer(tok_dec.decode(out), out, stats)
 
     def _stats(self, prefill_sel, step_sel, n_prompt, n_new, ttft, step_times) -> AnswerStats:
         cfg = self.model.config

@@ -352,3 +352,40 @@ def test_bfloat16_model_runs_close_to_float32(tiny):
     lg16 = full_logits(*nnx.split(model16), ids)
     assert lg16.dtype == jnp.float32 and np.isfinite(np.asarray(lg16)).all()
     np.testing.assert_allclose(lg16, full_logits(graphdef, state, ids), atol=0.1)
+
+
+def test_generate_pipelined_halt_leaves_the_cache_as_if_it_stopped_there(tiny):
+    """generate dispatches one step ahead; a halt rewinds that step, so the returned cache holds
+    exactly prompt + fed tokens and continuing from it equals one longer generation."""
+    graphdef, state = tiny
+    lm = _Loaded(graphdef, state, TINY)
+    prompt = _ids(12, (7,)).tolist()
+    greedy = generate(lm, prompt, 8, stop_ids=()).ids
+    r = generate(lm, prompt, 8, stop_ids=(), on_token=lambda step, ids: step == 3)
+    assert r.ids == greedy[:4] and r.decode_steps == 3
+    assert int(r.cache.length[0]) == len(prompt) + 3
+    assert int((np.asarray(r.cache.pos[0]) >= 0).sum()) == len(prompt) + 3
+    # continue: feed the 4th token and the rest must follow the uninterrupted generation
+    more = generate(lm, [greedy[3]], 4, stop_ids=(), cache=r.cache, position_offset=len(prompt) + 3)
+    assert more.ids == greedy[4:8]
+
+
+def test_generate_batch_rows_stop_independently(tiny):
+    graphdef, state = tiny
+    lm = _Loaded(graphdef, state, TINY)
+    a, b = _ids(13, (5,)).tolist(), _ids(14, (9,)).tolist()
+    stop = generate(lm, a, 6, stop_ids=()).ids[1]
+    batch = generate(lm, [a, b], 6, stop_ids=(stop,))
+    for row, p in zip(batch.token_ids, (a, b)):
+        assert row == generate(lm, p, 6, stop_ids=(stop,)).ids
+    assert batch.stopped[0] and batch.token_ids[0][-1] == stop
+
+
+def test_kv_cache_rewind():
+    c = KVCache.init(TINY, 2, 8).advance(jnp.asarray([[0, 1, 2], [-1, 5, 6]], jnp.int32))
+    r = c.rewind(2)
+    assert np.asarray(r.length).tolist() == [1, 1]
+    assert np.asarray(r.pos).tolist() == [[0] + [-1] * 7, [-1] * 8]
+    assert c.rewind(0) is c and np.asarray(c.rewind(5).length).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="n >= 0"):
+        c.rewind(-1)

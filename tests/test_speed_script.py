@@ -32,3 +32,20 @@ def test_speed_decode_rows_cpu_smoke(tmp_path):
         assert x["speedup_vs_best_dense_loop"] == min(x["dense_loop_ms"].values()) / x["total_loop_ms"]
     md = (tmp_path / "speed.md").read_text()
     assert "device time per call" in md
+
+
+def test_speed_end_to_end_cpu_smoke(tmp_path):
+    """The end-to-end section: synced and pipelined decode of every variant, speed-ups, the table."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--cpu-smoke", "--skip", "offline,kernels",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    e2e = json.loads((tmp_path / "speed.json").read_text())["e2e"]
+    for name in ("squeezed", "full", "full-xla", "no-attention"):
+        row = e2e[name]
+        assert "error" not in row, row
+        assert row["ms_per_token"] > 0 and row["ms_per_token_pipelined"] > 0
+        assert row["tokens_per_s_pipelined"] == 1e3 / row["ms_per_token_pipelined"]
+    assert e2e["decode_speedup_pipelined"] == (e2e["squeezed"]["tokens_per_s_pipelined"]
+                                               / e2e["full"]["tokens_per_s_pipelined"])
+    assert "ms / token pipelined" in (tmp_path / "speed.md").read_text()

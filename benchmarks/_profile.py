@@ -1,0 +1,105 @@
+"""Where the device time goes: a `jax.profiler` trace read back with `jax.profiler.ProfileData`.
+
+`device_activity(run)` traces `run()` and returns, per device plane (``/device:GPU:0`` …), the
+time the device was busy (union of kernel intervals over its streams), the span from the first
+kernel's start to the last one's end, and the kernels grouped by name and by the HLO op they
+belong to (when the trace carries an ``hlo_op`` stat), largest total first. No tensorboard or
+xprof needed: the xplane protobuf is parsed by jaxlib itself.
+
+`summarize(events)` is the pure part (tested on CPU with synthetic events): events are
+``(line, name, start_ns, end_ns, hlo_op | None)``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+# lines of a device plane that are derived summaries, not kernels on a stream
+_DERIVED = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source code", "XLA TraceMe", "Framework")
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Total length of the union of [start, end) intervals."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _top(groups: dict, top: int) -> list[dict]:
+    rows = [{"name": k, "count": len(v), "total_ms": sum(v) / 1e6} for k, v in groups.items()]
+    rows.sort(key=lambda r: -r["total_ms"])
+    return rows[:top]
+
+
+def summarize(events: Iterable[tuple[str, str, int, int, str | None]], *, top: int = 20) -> dict:
+    """Busy time, span and the largest kernels of one device's events (see the module docstring)."""
+    events = list(events)
+    if not events:
+        return {"n_kernels": 0, "busy_ms": 0.0, "span_ms": 0.0, "by_name": [], "by_hlo_op": []}
+    by_name, by_op = defaultdict(list), defaultdict(list)
+    for _, name, s, e, op in events:
+        by_name[name].append(e - s)
+        if op:
+            by_op[op].append(e - s)
+    start = min(e[2] for e in events)
+    end = max(e[3] for e in events)
+    return {"n_kernels": len(events), "busy_ms": _union_ns([(e[2], e[3]) for e in events]) / 1e6,
+            "span_ms": (end - start) / 1e6, "streams": sorted({e[0] for e in events}),
+            "by_name": _top(by_name, top), "by_hlo_op": _top(by_op, top)}
+
+
+def _stat(event, key: str):
+    try:
+        with warnings.catch_warnings():  # jaxlib's stats type warns about its __module__
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for k, v in event.stats:
+                if k == key:
+                    return str(v)
+    except Exception:  # noqa: BLE001 - stats are best effort
+        return None
+    return None
+
+
+def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: str = "/device:") -> dict:
+    """Trace ``run()`` and summarize each device plane: {plane name: `summarize` dict}.
+
+    ``run`` must block until its work is done (``jax.block_until_ready``). Planes that hold no
+    kernel events (e.g. on CPU, where XLA runs on host threads) are omitted.
+    """
+    import jax
+    from jax.profiler import ProfileData
+
+    tmp = tempfile.mkdtemp(prefix="sqjax_trace_")
+    try:
+        with jax.profiler.trace(tmp):
+            run()
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {}
+        data = ProfileData.from_file(paths[0])
+        out = {}
+        for plane in data.planes:
+            if not plane.name.startswith(plane_prefix):
+                continue
+            events = [(line.name, ev.name, int(ev.start_ns), int(ev.end_ns), _stat(ev, "hlo_op"))
+                      for line in plane.lines if line.name not in _DERIVED
+                      for ev in line.events if ev.end_ns > ev.start_ns]
+            if events:
+                out[plane.name] = summarize(events, top=top)
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
