@@ -362,7 +362,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       ("1gpu_mesh/score", *one_gpu_mesh("score"), sets1), ("1gpu_mesh/index", *one_gpu_mesh("index"), sets1)]
   results = {}
   if plan.pipelines:
-    pipelines = [p for p in pipelines if p[0] in plan.pipelines]
+    pipelines = [p for p in pipelines if p[0] in plan.pipelines or p[0].startswith("diag/")]
   for name, f, big, sets in pipelines:
     if time.perf_counter() - t_start > plan.budget_s * (0.45 if plan.e2e else 0.9):
       info["errors"].append(f"{name}: skipped (time budget)")

@@ -475,17 +475,19 @@ class _NoAttention:
         return jnp.zeros_like(q)
 
 
-def _fused_decode_by_layer(plan: Plan, src: KeySource, data, index, length: int, layers=(0, 1, 15, 31)) -> list:
-    """The fused decode kernel alone on a few layers of the end-to-end index: time, the fraction
-    of rows it reads and the largest cluster (work balance), to locate per-step costs."""
+def _fused_decode_by_layer(plan: Plan, data, index, length: int, q_layers, layers=(0, 1, 15, 31)) -> list:
+    """The fused decode kernel alone on a few layers of the end-to-end index, for the model's
+    decode query q_layers [layers, Hq, d]: time, the fraction of rows it reads and the largest
+    cluster (work balance), to locate per-step costs. (Alone, the same rows are read call after
+    call and may sit in L2; inside a step every layer reads its own.)"""
     from pallas_kernels import cluster_sort_layout, clustered_decode_attention
 
-    q = src.queries(1, seed=3)[:, 0]
     kn = jnp.zeros((plan.hkv, 32, plan.d), BF16)
     kp = jnp.where(jnp.arange(32) < 8, length + jnp.arange(32), -1).astype(jnp.int32)
     qp = jnp.full((1,), length + 8, jnp.int32)
     rows = []
     for layer in (x for x in layers if x < data.k.shape[0]):
+        q = q_layers[layer].astype(BF16)
         li = index.layer(layer)
         ks, vs, off, _ = cluster_sort_layout(data.k[layer], data.v[layer], li.labels, index.n_sink, index.n_tail,
                                              num_clusters=li.counts.shape[-1])
@@ -523,28 +525,69 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     out = {"config": dataclasses.asdict(cfg), "init_s": time.perf_counter() - t0, "L": plan.e2e_length}
     log(f"[e2e] model init {out['init_s']:.1f}s")
     length = plan.e2e_length
+    inv = tuple(float(x) for x in config_frequencies(cfg))
+    full_hook = SparseAttentionHook(Full(), inv, backend=plan.backend)
     if offline and offline.get("data") is not None and offline["data"].k.shape[2] == length:
-        data = offline["data"]
-        method, index, info = offline["squeezed_index"]
+        k_fix, v_fix = offline["data"].k, offline["data"].v
     else:
         ks, vs = zip(*[src.kv(length, seed=layer) for layer in range(plan.e2e_layers)])
-        q_obs = jnp.stack([src.queries(100, seed=layer) for layer in range(plan.e2e_layers)])
-        data = ContextData(jnp.stack(ks), jnp.stack(vs), q_obs, scale=1.0 / math.sqrt(plan.d))
-        from sqjax import dispatch
+        k_fix, v_fix = jnp.stack(ks), jnp.stack(vs)
 
-        # a shorter clustering (8 Lloyd iterations instead of 25) keeps this section short;
-        # section 1 times the full one
-        method = Squeezed(sparsity=0.9, n_sink=1, kmeans_iters=8)
-        t0 = time.perf_counter()
-        with dispatch.using(plan.backend):
-            index, info = method.build(data)
-        jax.block_until_ready(index)
-        out["index_build_s"] = time.perf_counter() - t0
-        out["index_kmeans"] = "k-means++, 8 Lloyd iterations"
-        log(f"[e2e] index built in {out['index_build_s']:.1f}s")
-    inv = tuple(float(x) for x in config_frequencies(cfg))
+    def model_queries(hook, st, toks, start):
+        """The model's own roped queries [layers, Hq, T, d] for tokens [1, T] at start.. (attending
+        the fixed context through `hook`)."""
+        T = toks.shape[1]
+        _, _, caps = forward_jit(graphdef, state, toks, jnp.arange(start, start + T, dtype=jnp.int32)[None],
+                                 KVCache.init(cfg, 1, T, BF16), attn_fn=hook, attn_state=st, capture_last=None,
+                                 logits="none")
+        return jnp.stack([jnp.swapaxes(c["q"][0], 0, 1) for c in caps])
+
+    # the threshold is calibrated on queries of THIS model (random weights), as the library
+    # calibrates on the document's own last queries: queries of another model (the captured
+    # SmolLM2 ones) put its score distribution elsewhere and the in-situ selection kept ~all rows
+    n_obs = 100 if not plan.cpu else 8
+    obs_tokens = jax.random.randint(jax.random.key(7), (1, n_obs), 0, cfg.vocab_size)
+    q_obs = model_queries(full_hook, attention_state(k_fix, v_fix, None), obs_tokens, length - n_obs)
+    data = ContextData(k_fix, v_fix, q_obs.astype(BF16), scale=1.0 / math.sqrt(plan.d))
+    from sqjax import dispatch
+
+    # a shorter clustering (8 Lloyd iterations instead of 25) keeps this section short;
+    # section 1 times the full one
+    method = Squeezed(sparsity=0.9, n_sink=1, kmeans_iters=8)
+    t0 = time.perf_counter()
+    with dispatch.using(plan.backend):
+        index, info = method.build(data)
+    jax.block_until_ready(index)
+    out["index_build_s"] = time.perf_counter() - t0
+    out["index_kmeans"] = "k-means++, 8 Lloyd iterations; threshold calibrated on 100 queries of the model itself"
+    log(f"[e2e] index built in {out['index_build_s']:.1f}s")
     n_prompt, n_steps = (128 if not plan.cpu else 8), plan.e2e_steps
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
+
+    # the model's decode queries (one token after the question, full attention upstream)
+    q_dec = model_queries(full_hook, attention_state(k_fix, v_fix, None), tokens[:, :1], length + n_prompt)
+    with dispatch.using(plan.backend):  # fraction of the fixed context Squeezed selects for them
+        out["kept_in_situ_per_layer"] = [
+            float(jnp.mean(method.select(index, layer, q_dec[layer], None, data.k[layer]).kv_rows) / length)
+            for layer in range(plan.e2e_layers)]
+    out["kept_in_situ"] = float(np.mean(out["kept_in_situ_per_layer"]))
+    # the same with the threshold calibrated on the captured SmolLM2 queries (how this section
+    # calibrated before): those queries do not come from this model
+    from sqjax.calibration import global_threshold, key_scores
+    from sqjax.squeezed import layer_scores
+
+    q_cap = jnp.stack([src.queries(100, seed=layer) for layer in range(plan.e2e_layers)])
+    per_key = [key_scores(layer_scores(index.layer(i), q_cap[i], 0.0, data.scale, method.vote)[0],
+                          index.layer(i).labels) for i in range(plan.e2e_layers)]
+    idx_cap = dataclasses.replace(index, threshold=jnp.float32(global_threshold(per_key, method.sparsity)))
+    with dispatch.using(plan.backend):
+        out["kept_in_situ_captured_threshold"] = float(np.mean([
+            float(jnp.mean(method.select(idx_cap, layer, q_dec[layer], None, data.k[layer]).kv_rows) / length)
+            for layer in range(plan.e2e_layers)]))
+    del q_cap, per_key, idx_cap
+    log(f"[e2e] squeezed keeps {out['kept_in_situ']:.3f} of the fixed context for the model's decode queries "
+        f"(layers {min(out['kept_in_situ_per_layer']):.3f}..{max(out['kept_in_situ_per_layer']):.3f}); "
+        f"{out['kept_in_situ_captured_threshold']:.3f} with the threshold calibrated on the captured queries")
 
     def attn_layer_ms(hook, state_tree, layer=1):
         """One layer's attention call alone (jitted), decode shape: where the step's time goes."""
@@ -621,12 +664,12 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
             res["profile"] = planes
         return res
 
-    out["per_layer"] = _fused_decode_by_layer(plan, src, data, index, length)
+    out["per_layer"] = _fused_decode_by_layer(plan, data, index, length, q_dec[:, :, 0])
     log("[e2e] per layer (fused kernel alone): " + ", ".join(
         f"L{r['layer']} {r['kernel_ms']:.3f} ms kept {r['kept']:.3f} max cluster {r['max_cluster']}"
         for r in out["per_layer"]))
     variants = [("squeezed", SparseAttentionHook(method, inv, backend=plan.backend), index),
-                ("full", SparseAttentionHook(Full(), inv, backend=plan.backend), None),
+                ("full", full_hook, None),
                 # full attention through the jnp reference (what "full" ran before the dense kernel)
                 ("full-xla", SparseAttentionHook(Full(), inv, backend="reference"), None),
                 # no attention at all: the floor set by the weights and the per-step overhead
@@ -639,6 +682,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
             r["tokens_per_s_pipelined"] = 1e3 / r["ms_per_token_pipelined"]
             if name != "no-attention":
                 r["attention_ms_per_layer"] = attn_layer_ms(hook, st)
+
             prof = r.get("profile", {})
             log(f"[e2e] {name}: TTFT {r['ttft_s'] * 1e3:.1f} ms ({n_prompt} tokens), {r['ms_per_token']:.2f} ms/token "
                 f"synced, {r['ms_per_token_pipelined']:.2f} pipelined, dispatch {r['host_dispatch_ms']:.2f} ms, "
@@ -769,6 +813,12 @@ def to_markdown(res: dict) -> str:
                        "| kernel | ms / token | launches / token |", "|---|---|---|"]
                 md += [f"| `{k['name'][:80]}` | {k['total_ms'] / prof['steps']:.3f} | {k['count'] / prof['steps']:.0f} |"
                        for k in prof["by_name"][:10]]
+        if "kept_in_situ" in e2e:
+            md += ["", f"Squeezed keeps {e2e['kept_in_situ']:.3f} of the fixed context for the model's own decode "
+                   f"queries (per layer {min(e2e['kept_in_situ_per_layer']):.3f}–"
+                   f"{max(e2e['kept_in_situ_per_layer']):.3f}); with the threshold calibrated on the captured "
+                   f"SmolLM2 queries instead (this section before 2026-11-22) it would keep "
+                   f"{e2e.get('kept_in_situ_captured_threshold', float('nan')):.3f}."]
         if e2e.get("per_layer"):
             md += ["", "| layer | fused decode kernel alone (ms) | rows read / L | largest cluster | mean cluster |",
                    "|---|---|---|---|---|"]
