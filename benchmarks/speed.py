@@ -591,7 +591,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
 
     def attn_layer_ms(hook, state_tree, layer=1):
         """One layer's attention call alone (jitted), decode shape: where the step's time goes."""
-        q = src.queries(1, seed=3)[:, 0][None, None].astype(BF16)  # [1, 1, Hq, d]
+        q = q_dec[layer][:, 0][None, None].astype(BF16)  # [1, 1, Hq, d]: the model's decode query
         ck = jnp.zeros((1, plan.hkv, 32, plan.d), BF16)
         qp = jnp.full((1, 1), length + 8, jnp.int32)
         kp = jnp.where(jnp.arange(32) < 8, length + jnp.arange(32), -1).astype(jnp.int32)[None]
