@@ -699,6 +699,14 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     if "tokens_per_s" in out.get("squeezed", {}) and "tokens_per_s" in out.get("full", {}):
         out["decode_speedup"] = out["squeezed"]["tokens_per_s"] / out["full"]["tokens_per_s"]
         out["decode_speedup_pipelined"] = out["squeezed"]["tokens_per_s_pipelined"] / out["full"]["tokens_per_s_pipelined"]
+    base = out.get("no-attention", {}).get("profile", {}).get("busy_ms_per_token")
+    for name in ("squeezed", "full", "full-xla"):
+        prof = out.get(name, {}).get("profile", {})
+        if base is not None and "busy_ms_per_token" in prof:  # attention's share of the step's device time
+            out[name]["attention_busy_ms_per_token"] = prof["busy_ms_per_token"] - base
+    if all("attention_busy_ms_per_token" in out.get(n, {}) for n in ("squeezed", "full")):
+        out["attention_busy_speedup"] = (out["full"]["attention_busy_ms_per_token"]
+                                         / out["squeezed"]["attention_busy_ms_per_token"])
         out["ttft_speedup"] = out["full"]["ttft_s"] / out["squeezed"]["ttft_s"]
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     kv = data.k.size * data.k.dtype.itemsize * 2
@@ -827,6 +835,10 @@ def to_markdown(res: dict) -> str:
         if "decode_speedup" in e2e:
             if "decode_speedup_pipelined" in e2e:
                 md.append(f"\nDecode speedup pipelined {e2e['decode_speedup_pipelined']:.2f}×.")
+            if "attention_busy_speedup" in e2e:
+                md.append(f"\nAttention's device time per token (busy time minus the no-attention variant's): "
+                          f"squeezed {e2e['squeezed']['attention_busy_ms_per_token']:.2f} ms, full "
+                          f"{e2e['full']['attention_busy_ms_per_token']:.2f} ms → {e2e['attention_busy_speedup']:.2f}×.")
             md.append(f"\nDecode speedup {e2e['decode_speedup']:.2f}× synced (byte bound with these weights: "
                       f"{e2e['decode_speedup_bound_bytes']:.2f}×), TTFT speedup {e2e['ttft_speedup']:.2f}×.")
         md.append("")
