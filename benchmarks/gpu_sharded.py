@@ -148,6 +148,24 @@ def time_fn(fn, sets, *, reps: int, inner: int) -> float:
   return time_ms(fn, sets, reps=reps, inner=inner)
 
 
+def trace_calls(call, sets, *, n: int) -> dict:
+  """Kernel time per call on every device, from a profiler trace of n back-to-back calls:
+  {plane: {busy_ms_per_call, kernels: [{name, ms_per_call, per_call}]}} (benchmarks._profile)."""
+  from benchmarks._profile import device_activity
+
+  def run():
+    out = None
+    for i in range(n):
+      out = call(*sets[i % len(sets)])
+    jax.block_until_ready(out)
+
+  planes = device_activity(run, top=12)
+  return {plane: {"busy_ms_per_call": act["busy_ms"] / n,
+                  "kernels": [{"name": k["name"], "ms_per_call": k["total_ms"] / n, "per_call": k["count"] / n}
+                              for k in act["by_name"]]}
+          for plane, act in planes.items()}
+
+
 def rel_err(a, b) -> float:
   a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
   b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
@@ -378,6 +396,11 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       # device time per call: the calls inside one jitted loop (host dispatch paid once per loop)
       info[f"{name}_loop_ms"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
                                                      n_iter=plan.loop_iters, reps=plan.reps), 4)
+      if plan.diagnose and name in ("2gpu/clustered", "1gpu_clustered", "diag/2gpu/clustered_local"):
+        info[f"{name}_trace"] = trace_calls(call, sets, n=10)
+        for plane, act in info[f"{name}_trace"].items():
+          print(f"[trace] {name} {plane}: busy {act['busy_ms_per_call']:.4f} ms/call, "
+                + ", ".join(f"{k['name'][:40]} {k['ms_per_call']:.4f}" for k in act["kernels"][:6]), flush=True)
     except Exception as e:  # noqa: BLE001 - report and go on
       info["errors"].append(f"{name}: {short_error(e)}")
       traceback.print_exc()
@@ -581,6 +604,13 @@ def markdown(out: dict) -> str:
                 "", f"Per call = back-to-back jitted calls (host dispatch included: a 2-device program costs the "
                     f"host more to launch); device loop = {c.get('loop_iters', '—')} calls inside one jitted loop, "
                     "as a model's decode step runs its layers.", ""]
+      for key in sorted(k for k in c if k.endswith("_trace")):
+        for plane, act in c[key].items():
+          lines.append(f"- trace {key[:-6]} on {plane}: kernel busy {act['busy_ms_per_call']:.4f} ms/call; "
+                       + "; ".join(f"`{k['name'][:40]}` {k['ms_per_call']:.4f} ms ×{k['per_call']:g}"
+                                   for k in act["kernels"][:8]))
+      if any(k.endswith("_trace") for k in c):
+        lines.append("")
     else:
       how = ("fused clustered kernel per device over cluster-contiguous K/V (`ShardedClusteredHook`)"
              if c.get("hook") == "clustered" else
