@@ -66,6 +66,11 @@ class CentroidLookupConfig:
     cm.check_warps_stages(self.num_warps, self.num_stages)
 
 
+# The prefill kernels' tiling when none is given (decode: ``CentroidLookupConfig()``);
+# ``python -m benchmarks.lookup_sweep`` measures the alternatives on a GPU.
+DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=64, num_warps=4, num_stages=2)
+
+
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
@@ -385,7 +390,7 @@ def centroid_lookup_prefill(
   be = resolve_backend(backend)
   if be == "reference":
     return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote)
-  cfg = config or CentroidLookupConfig()
+  cfg = config or DEFAULT_PREFILL
   hq = q.shape[0]
   hs = cm.num_selection_heads(hq, centroids.shape[0], vote)
   avg = lookup_prefill_scores(q, centroids, counts, None, None, scale=scale, groups=hs,

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (CentroidLookupConfig, lookup_decode_scores,
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, lookup_decode_scores,
                                             lookup_prefill_scores)
 from pallas_kernels._dispatch import resolve_backend
 
@@ -237,7 +237,7 @@ def hierarchical_lookup_prefill(
     return hierarchical_lookup_reference(q, c1, n1, c2, n2, child_offsets, children, t1, t2,
                                          scale=scale, vote=vote)
   return _run(q, c1, n1, c2, n2, child_offsets, children, t1, t2, scale=scale, vote=vote,
-              be=be, cfg=config or CentroidLookupConfig(), prefill=True)
+              be=be, cfg=config or DEFAULT_PREFILL, prefill=True)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

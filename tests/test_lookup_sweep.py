@@ -1,0 +1,25 @@
+"""benchmarks/lookup_sweep.py at tiny shapes on CPU (Pallas interpret mode): every config is
+checked against the jnp reference and timed; the default and the fastest passing one are named."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lookup_sweep_cpu_smoke(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.lookup_sweep", "--cpu-smoke", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads((tmp_path / "lookup_sweep.json").read_text())
+    assert res["meta"]["jax"] and res["meta"]["git_commit"]
+    assert len(res["rows"]) == 3 and sum(r["default"] for r in res["rows"]) == 1
+    for row in res["rows"]:
+        assert row["pass"] and row["max_rel_err"] < 1e-5 and row["ms"] > 0, row
+    assert res["best"]["ms"] == min(r["ms"] for r in res["rows"])
+    assert res["speedup_best_vs_default"] >= 1.0
+    assert "Fastest passing" in (tmp_path / "lookup_sweep.md").read_text()
