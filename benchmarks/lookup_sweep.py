@@ -41,13 +41,13 @@ class Plan:
     backend: str = "pallas"
     budget_s: float = 400.0
     grid: tuple = (("block_t", (64, 128)), ("block_c", (64, 128)), ("num_warps", (4, 8)),
-                   ("num_stages", (2, 3)))
+                   ("num_stages", (2,)), ("tile_acc", (False, True)))
 
 
 def cpu_plan() -> Plan:
     return Plan(length=2048, tokens=48, hq=4, hkv=2, d=32, check_tokens=16, reps=1, inner=1,
                 backend="interpret", grid=(("block_t", (16, 32)), ("block_c", (32,)), ("num_warps", (4,)),
-                                           ("num_stages", (2,))))
+                                           ("num_stages", (2,)), ("tile_acc", (False, True))))
 
 
 def configs(plan: Plan):
@@ -100,8 +100,24 @@ def run(plan: Plan, log=print) -> dict:
             log(f"{_label(cfg)}: ERROR {row['error']}")
         rows.append(row)
     ok = [r for r in rows if r.get("pass")]
+    trace = {}
+    for tag, r in (("default", next((r for r in rows if r["default"] and r.get("pass")), None)),
+                   ("best", min(ok, key=lambda r: r["ms"]) if ok else None)):
+        if r is None or plan.backend == "interpret":
+            continue
+        from benchmarks._profile import device_activity
+        from pallas_kernels.centroid_lookup import CentroidLookupConfig
+
+        cfg = CentroidLookupConfig(**r["config"])
+        f = jax.jit(lambda q, c, n, t, cfg=cfg: centroid_lookup_prefill(q, c, n, t, scale=scale,
+                                                                      backend=plan.backend, config=cfg))
+        planes = device_activity(lambda: jax.block_until_ready([f(q, cent, counts, thr) for _ in range(3)]))
+        if planes:  # the two passes' kernel times per call
+            act = next(iter(planes.values()))
+            trace[tag] = [{"name": k["name"], "ms_per_call": k["total_ms"] / 3} for k in act["by_name"][:4]]
+            log(f"trace {tag}: " + ", ".join(f"{k['name']} {k['ms_per_call']:.3f} ms" for k in trace[tag]))
     res = {"meta": metadata(), "plan": dataclasses.asdict(plan), "num_centroids": num_c, "flops_per_call": flops,
-           "rows": rows, "seconds": time.perf_counter() - t_start}
+           "rows": rows, "trace": trace, "seconds": time.perf_counter() - t_start}
     if ok:
         best = min(ok, key=lambda r: r["ms"])
         res["best"] = best
@@ -113,7 +129,8 @@ def run(plan: Plan, log=print) -> dict:
 
 
 def _label(cfg) -> str:
-    return f"block_t={cfg.block_t} block_c={cfg.block_c} warps={cfg.num_warps} stages={cfg.num_stages}"
+    return (f"block_t={cfg.block_t} block_c={cfg.block_c} warps={cfg.num_warps} stages={cfg.num_stages} "
+            f"tile_acc={cfg.tile_acc}")
 
 
 def to_markdown(res: dict) -> str:
@@ -123,21 +140,27 @@ def to_markdown(res: dict) -> str:
           f"({res['num_centroids']} centroids per KV head), T = {p['tokens']} tokens, Hq/Hkv/d = "
           f"{p['hq']}/{p['hkv']}/{p['d']} bf16; check vs the jnp reference on the first {p['check_tokens']} "
           f"tokens; median of {p['reps']} × {p['inner']} calls.", "",
-          "| block_t | block_c | warps | stages | ms | TFLOP/s | max rel err | |", "|---|---|---|---|---|---|---|---|"]
+          "| block_t | block_c | warps | stages | tile acc | ms | TFLOP/s | max rel err | |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(res["rows"], key=lambda r: r.get("ms", float("inf"))):
         c = r["config"]
         tag = "default" if r["default"] else ""
         if "ms" in r:
-            md.append(f"| {c['block_t']} | {c['block_c']} | {c['num_warps']} | {c['num_stages']} | {r['ms']:.3f} | "
+            md.append(f"| {c['block_t']} | {c['block_c']} | {c['num_warps']} | {c['num_stages']} | "
+                      f"{c.get('tile_acc', False)} | {r['ms']:.3f} | "
                       f"{r['tflops']:.1f} | {r['max_rel_err']:.1e}{'' if r['pass'] else ' FAIL'} | {tag} |")
         else:
-            md.append(f"| {c['block_t']} | {c['block_c']} | {c['num_warps']} | {c['num_stages']} | — | — | "
+            md.append(f"| {c['block_t']} | {c['block_c']} | {c['num_warps']} | {c['num_stages']} | "
+                      f"{c.get('tile_acc', False)} | — | — | "
                       f"{r.get('error', '')[:60]} | {tag} |")
     if "speedup_best_vs_default" in res:
         b = res["best"]["config"]
         md += ["", f"Fastest passing: block_t={b['block_t']} block_c={b['block_c']} warps={b['num_warps']} "
-                   f"stages={b['num_stages']}, {res['best']['ms']:.3f} ms vs the default's {res['default_ms']:.3f} ms "
-                   f"({res['speedup_best_vs_default']:.2f}×)."]
+                   f"stages={b['num_stages']} tile_acc={b.get('tile_acc', False)}, {res['best']['ms']:.3f} ms vs the "
+                   f"default's {res['default_ms']:.3f} ms ({res['speedup_best_vs_default']:.2f}×)."]
+    for tag, kernels in res.get("trace", {}).items():
+        md += ["", f"Kernel time per call ({tag}, profiler trace): "
+               + "; ".join(f"`{k['name']}` {k['ms_per_call']:.3f} ms" for k in kernels)]
     return "\n".join(md) + "\n"
 
 

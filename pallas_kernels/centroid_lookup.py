@@ -54,11 +54,15 @@ class CentroidLookupConfig:
   block_c: centroids per tile (power of two >= 16).
   block_t: query tokens per tile in the prefill kernels (power of two >= 16;
     clipped to the next power of two of T).
+  tile_acc: the prefill scoring pass accumulates the normalised scores in a
+    [block_t, block_c] tile and sums it over the tokens once at the end, instead of
+    reducing every tile over its tokens (a cross-thread reduction per iteration).
   """
   block_c: int = 128
   block_t: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  tile_acc: bool = False
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -170,7 +174,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (ids, n_ids)?, out [G, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, has_ids,
-                  ncand):
+                  ncand, tile_acc=False):
   if has_ids:
     ids_ref, nids_ref, o_ref = refs
   else:
@@ -196,13 +200,18 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     inv = jnp.where(tv & (lt > 0), 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
     s = plgpu.dot(q, c, trans_b=True) * scale                     # [Bt, Bc]
     p = jnp.where(valid[None, :], jnp.exp(jnp.minimum(s - mt[:, None], 0.0)), 0.0)
+    if tile_acc:
+      return acc + p * inv[:, None]                                 # [Bt, Bc]
     return acc + jnp.sum(p * inv[:, None], axis=0)
 
   active = cb * block_c < n
   # explicit int32 bounds: a Python-int branch of jnp.where lowers to a different integer
   # type than the loop's lower bound and Triton rejects the scf.for (seen on H200)
   n_it = jnp.where(active, jnp.int32(r * n_tb), jnp.int32(0)).astype(jnp.int32)
-  acc = lax.fori_loop(jnp.int32(0), n_it, body, jnp.zeros((block_c,), jnp.float32))
+  acc0 = jnp.zeros((block_t, block_c) if tile_acc else (block_c,), jnp.float32)
+  acc = lax.fori_loop(jnp.int32(0), n_it, body, acc0)
+  if tile_acc:
+    acc = jnp.sum(acc, axis=0)
   o_ref[grp, pl.ds(cb * block_c, block_c)] = acc * (1.0 / (r * seq_len))
 
 
@@ -287,7 +296,7 @@ def lookup_prefill_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cf
       name="centroid_lookup_stats",
   )(q_flat, c_flat, n_flat, *extra)
   avg = pallas_call(
-      functools.partial(_score_kernel, n_tb=n_tb, **common), backend=backend,
+      functools.partial(_score_kernel, n_tb=n_tb, tile_acc=cfg.tile_acc, **common), backend=backend,
       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(nb, groups),
       out_shape=jax.ShapeDtypeStruct((groups, nb * block_c), jnp.float32),

@@ -189,3 +189,18 @@ def test_validation_errors():
     CentroidLookupConfig(block_c=24)
   with pytest.raises(ValueError, match="num_warps"):
     CentroidLookupConfig(num_warps=3)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_prefill_tile_accumulation_matches_reference(rng, vote):
+  """tile_acc=True (scores summed over the tokens once, at the end): same Eq. 1 averages,
+  ragged T and C, empty clusters, GQA 4:1."""
+  q, cent, counts = make_inputs(rng, 8, 2, 37, 77, 32, jnp.float32)
+  _, ref = centroid_lookup_reference(q, cent, counts, jnp.float32(0.0), scale=0.2, vote=vote)
+  thr = pick_threshold(ref)
+  cfg = CentroidLookupConfig(block_c=32, block_t=16, tile_acc=True)
+  sel, got = centroid_lookup_prefill(q, cent, counts, jnp.float32(thr), scale=0.2, vote=vote,
+                                     backend="interpret", config=cfg)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[jnp.float32])
+  check_selected(sel, got, thr, ref, 1e-6)
+  assert np.all(np.isfinite(np.asarray(got)))
