@@ -57,17 +57,27 @@ class CentroidLookupConfig:
   tile_acc: the prefill scoring pass accumulates the normalised scores in a
     [block_t, block_c] tile and sums it over the tokens once at the end, instead of
     reducing every tile over its tokens (a cross-thread reduction per iteration).
+  score_block_t, score_block_c, score_warps: the prefill scoring pass's own tiling
+    (None = the values above, which the statistics pass and decode use).
   """
   block_c: int = 128
   block_t: int = 64
   num_warps: int = 4
   num_stages: int = 2
   tile_acc: bool = False
+  score_block_t: int | None = None
+  score_block_c: int | None = None
+  score_warps: int | None = None
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
     cm.check_pow2("block_t", self.block_t)
     cm.check_warps_stages(self.num_warps, self.num_stages)
+    for name in ("score_block_t", "score_block_c"):
+      if getattr(self, name) is not None:
+        cm.check_pow2(name, getattr(self, name))
+    if self.score_warps is not None:
+      cm.check_warps_stages(self.score_warps, self.num_stages)
 
 
 # The prefill kernels' tiling when none is given (decode: ``CentroidLookupConfig()``): the
@@ -278,28 +288,30 @@ def lookup_prefill_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cf
   r = hq // groups
   dp = cm.padded_head_dim(d)
   ncand = num_c if ids is None else ids.shape[1]
-  block_c = min(cfg.block_c, max(16, cm.next_pow2(ncand)))
-  block_t = min(cfg.block_t, max(16, cm.next_pow2(seq_len)))
-  n_tb = cm.cdiv(seq_len, block_t)
-  nb = cm.cdiv(ncand, block_c)
+  fit_c = lambda b: min(b, max(16, cm.next_pow2(ncand)))            # noqa: E731
+  fit_t = lambda b: min(b, max(16, cm.next_pow2(seq_len)))          # noqa: E731
+  bc_a, bt_a = fit_c(cfg.block_c), fit_t(cfg.block_t)              # statistics pass
+  bc_b, bt_b = fit_c(cfg.score_block_c or cfg.block_c), fit_t(cfg.score_block_t or cfg.block_t)
+  t_pad = cm.cdiv(seq_len, max(bt_a, bt_b)) * max(bt_a, bt_b)     # m, l rows: both passes' blocks fit
+  nb = cm.cdiv(ncand, bc_b)
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
   q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
   extra = [] if ids is None else [ids.reshape(-1), n_ids]
-  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r,
-                block_t=block_t, block_c=block_c, d=dp, has_ids=ids is not None,
-                ncand=ncand)
+  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
+                has_ids=ids is not None, ncand=ncand)
   m, l = pallas_call(
-      functools.partial(_stats_kernel, **common), backend=backend,
+      functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, **common), backend=backend,
       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(n_tb, hq),
-      out_shape=[jax.ShapeDtypeStruct((hq, n_tb * block_t), jnp.float32)] * 2,
+      grid=(t_pad // bt_a, hq),
+      out_shape=[jax.ShapeDtypeStruct((hq, t_pad), jnp.float32)] * 2,
       name="centroid_lookup_stats",
   )(q_flat, c_flat, n_flat, *extra)
   avg = pallas_call(
-      functools.partial(_score_kernel, n_tb=n_tb, tile_acc=cfg.tile_acc, **common), backend=backend,
-      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      functools.partial(_score_kernel, n_tb=cm.cdiv(seq_len, bt_b), tile_acc=cfg.tile_acc,
+                        block_t=bt_b, block_c=bc_b, **common), backend=backend,
+      num_warps=cfg.score_warps or cfg.num_warps, num_stages=cfg.num_stages,
       grid=(nb, groups),
-      out_shape=jax.ShapeDtypeStruct((groups, nb * block_c), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((groups, nb * bc_b), jnp.float32),
       name="centroid_lookup_scores",
   )(q_flat, c_flat, n_flat, m, l, *extra)
   return avg[:, :ncand]

@@ -189,6 +189,10 @@ def test_validation_errors():
     CentroidLookupConfig(block_c=24)
   with pytest.raises(ValueError, match="num_warps"):
     CentroidLookupConfig(num_warps=3)
+  with pytest.raises(ValueError, match="score_block_t"):
+    CentroidLookupConfig(score_block_t=24)
+  with pytest.raises(ValueError, match="num_warps"):
+    CentroidLookupConfig(score_warps=5)
 
 
 @pytest.mark.parametrize("vote", ["kv", "q"])
@@ -199,6 +203,12 @@ def test_prefill_tile_accumulation_matches_reference(rng, vote):
   _, ref = centroid_lookup_reference(q, cent, counts, jnp.float32(0.0), scale=0.2, vote=vote)
   thr = pick_threshold(ref)
   cfg = CentroidLookupConfig(block_c=32, block_t=16, tile_acc=True)
+  # the scoring pass tiled differently from the statistics pass (both ways round)
+  for other in (CentroidLookupConfig(block_c=16, block_t=32, score_block_t=16, score_block_c=64, tile_acc=True),
+                CentroidLookupConfig(block_c=64, block_t=16, score_block_t=64, score_block_c=16, score_warps=8)):
+    _, got = centroid_lookup_prefill(q, cent, counts, jnp.float32(thr), scale=0.2, vote=vote,
+                                     backend="interpret", config=other)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[jnp.float32])
   sel, got = centroid_lookup_prefill(q, cent, counts, jnp.float32(thr), scale=0.2, vote=vote,
                                      backend="interpret", config=cfg)
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[jnp.float32])

@@ -17,7 +17,7 @@ def test_lookup_sweep_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads((tmp_path / "lookup_sweep.json").read_text())
     assert res["meta"]["jax"] and res["meta"]["git_commit"]
-    assert len(res["rows"]) == 5 and sum(r["default"] for r in res["rows"]) == 1
+    assert len(res["rows"]) == 9 and sum(r["default"] for r in res["rows"]) == 1
     assert any(r["config"]["tile_acc"] for r in res["rows"])
     for row in res["rows"]:
         assert row["pass"] and row["max_rel_err"] < 1e-5 and row["ms"] > 0, row
