@@ -80,6 +80,9 @@ class CentroidLookupConfig:
       cm.check_warps_stages(self.score_warps, self.num_stages)
 
 
+_LOG2E = 1.4426950408889634
+
+
 # The prefill kernels' tiling when none is given (decode: ``CentroidLookupConfig()``): the
 # fastest of the tilings swept on an H200 at 512K / 4K tokens (``python -m
 # benchmarks.lookup_sweep``; benchmarks/results/gpu_h200_lookup_sweep): 7.41 ms against 10.16 ms
@@ -160,16 +163,20 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
     n = num_c
     nblocks = cm.cdiv(num_c, block_c)
 
+  scale2 = scale * _LOG2E   # base-2 logits: exp2 is the hardware's exp
+
   def body(b, carry):
     m_prev, l_prev = carry
     j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
                                          num_c=num_c, ncand=ncand, d=d)
-    s = plgpu.dot(q, c, trans_b=True) * scale                     # [Bt, Bc]
+    s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc] log2 units
     s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    p = jnp.where(valid[None, :], jnp.exp(s - m_next[:, None]), 0.0)
-    l_next = l_prev * jnp.exp(m_prev - m_next) + jnp.sum(p * cnt[None, :], axis=1)
+    # invalid columns: cnt = 0 zeroes them (exp2 of a masked logit is 0 or, while every
+    # column so far is masked, 1 times 0)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = l_prev * jnp.exp2(m_prev - m_next) + jnp.sum(p * cnt[None, :], axis=1)
     return m_next, l_next
 
   m0 = jnp.full((block_t,), cm.MASK_VALUE, jnp.float32)
@@ -199,6 +206,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
   n = nids_ref[grp] if has_ids else num_c
   valid, _, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
                                      num_c=num_c, ncand=ncand, d=d)  # c: [Bc, d]
+  scale2 = scale * _LOG2E   # the statistics pass's base-2 units
 
   def body(it, acc):
     rr = cm.kdiv(it, n_tb)
@@ -210,8 +218,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = ms_ref[h, pl.ds(tb * block_t, block_t)]                  # [Bt]
     lt = ls_ref[h, pl.ds(tb * block_t, block_t)]
     inv = jnp.where(tv & (lt > 0), 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
-    s = plgpu.dot(q, c, trans_b=True) * scale                     # [Bt, Bc]
-    p = jnp.where(valid[None, :], jnp.exp(jnp.minimum(s - mt[:, None], 0.0)), 0.0)
+    s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc]
+    p = jnp.exp2(jnp.minimum(s - mt[:, None], 0.0))               # invalid columns: zeroed below
     if tile_acc:
       return acc + p * inv[:, None]                                 # [Bt, Bc]
     return acc + jnp.sum(p * inv[:, None], axis=0)
@@ -224,6 +232,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
   acc = lax.fori_loop(jnp.int32(0), n_it, body, acc0)
   if tile_acc:
     acc = jnp.sum(acc, axis=0)
+  acc = jnp.where(valid, acc, 0.0)   # once per program instead of once per tile
   o_ref[grp, pl.ds(cb * block_c, block_c)] = acc * (1.0 / (r * seq_len))
 
 
