@@ -85,10 +85,10 @@ _LOG2E = 1.4426950408889634
 
 # The prefill kernels' tiling when none is given (decode: ``CentroidLookupConfig()``): the
 # fastest of the tilings swept on an H200 at 512K / 4K tokens (``python -m
-# benchmarks.lookup_sweep``; benchmarks/results/gpu_h200_lookup_sweep): 7.41 ms against 10.16 ms
-# for the earlier single 64 x 128 tiling of both passes.
+# benchmarks.lookup_sweep``; benchmarks/results/gpu_h200_lookup_sweep/exp2): 5.38 ms against
+# 10.16 ms for the first kernels with one 64 x 128 tiling of both passes.
 DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, num_stages=2, tile_acc=True,
-                                       score_block_t=64, score_block_c=64, score_warps=4)
+                                       score_block_t=64, score_block_c=128, score_warps=4)
 
 
 # ----------------------------------------------------------------------------
