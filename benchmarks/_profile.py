@@ -103,3 +103,21 @@ def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: s
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
+    """Kernel time per call on every device, from a trace of n back-to-back ``call(*sets[i])``:
+    {plane: {busy_ms_per_call, kernels: [{name, ms_per_call, per_call}]}} ({} without a device)."""
+    import jax
+
+    def run():
+        out = None
+        for i in range(n):
+            out = call(*sets[i % len(sets)])
+        jax.block_until_ready(out)
+
+    planes = device_activity(run, top=top)
+    return {plane: {"busy_ms_per_call": act["busy_ms"] / n,
+                    "kernels": [{"name": k["name"], "ms_per_call": k["total_ms"] / n, "per_call": k["count"] / n}
+                                for k in act["by_name"]]}
+            for plane, act in planes.items()}

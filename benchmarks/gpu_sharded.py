@@ -67,6 +67,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks._meta import time_ms_looped  # noqa: E402
+from benchmarks._profile import trace_calls  # noqa: E402
 from sqjax import sharding as sh  # noqa: E402
 from sqjax import squeezed  # noqa: E402
 
@@ -146,24 +147,6 @@ def time_fn(fn, sets, *, reps: int, inner: int) -> float:
   """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls (benchmarks._meta)."""
   from benchmarks._meta import time_ms
   return time_ms(fn, sets, reps=reps, inner=inner)
-
-
-def trace_calls(call, sets, *, n: int) -> dict:
-  """Kernel time per call on every device, from a profiler trace of n back-to-back calls:
-  {plane: {busy_ms_per_call, kernels: [{name, ms_per_call, per_call}]}} (benchmarks._profile)."""
-  from benchmarks._profile import device_activity
-
-  def run():
-    out = None
-    for i in range(n):
-      out = call(*sets[i % len(sets)])
-    jax.block_until_ready(out)
-
-  planes = device_activity(run, top=12)
-  return {plane: {"busy_ms_per_call": act["busy_ms"] / n,
-                  "kernels": [{"name": k["name"], "ms_per_call": k["total_ms"] / n, "per_call": k["count"] / n}
-                              for k in act["by_name"]]}
-          for plane, act in planes.items()}
 
 
 def rel_err(a, b) -> float:
@@ -397,7 +380,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       info[f"{name}_loop_ms"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
                                                      n_iter=plan.loop_iters, reps=plan.reps), 4)
       if plan.diagnose and name in ("2gpu/clustered", "1gpu_clustered", "diag/2gpu/clustered_local"):
-        info[f"{name}_trace"] = trace_calls(call, sets, n=10)
+        info[f"{name}_trace"] = trace_calls(call, sets, n=10)   # benchmarks._profile
         for plane, act in info[f"{name}_trace"].items():
           print(f"[trace] {name} {plane}: busy {act['busy_ms_per_call']:.4f} ms/call, "
                 + ", ".join(f"{k['name'][:40]} {k['ms_per_call']:.4f}" for k in act["kernels"][:6]), flush=True)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._meta import metadata, time_ms, time_ms_looped, time_ms_unrolled, write_json
-from benchmarks._profile import device_activity
+from benchmarks._profile import device_activity, trace_calls
 
 BF16 = jnp.bfloat16
 
@@ -286,6 +286,11 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
                                                         reps=plan.reps)
             if best_dense_unrolled:
                 row["speedup_vs_best_dense_unrolled"] = best_dense_unrolled / row["total_unrolled_ms"]
+            if kernel:  # kernel time per call and the largest kernels, from a profiler trace (GPU only)
+                tr = next(iter(trace_calls(kern, [(kidx, layout, *s) for s in sets], n=10, top=6).values()), None)
+                if tr:
+                    row["kernel_busy_ms"] = tr["busy_ms_per_call"]
+                    row["kernels"] = tr["kernels"]
         row["path"] = _PATHS.get(method.name) or ("fused clustered decode kernel" if kernel else "lookup + retrieve + "
                                                   + ("sparse attention" if t == 1 else "gather + cuDNN"))
         o, rows_, meta_, over = lib(index, *sets[0])
@@ -324,13 +329,15 @@ def _saap_probes(method, index, qs, length: int, frac: float) -> int:
     return int(np.argmin(np.abs((cum + dense) / length - frac))) + 1
 
 
-def _dense_times(plan: Plan, log, qs, ctx, tag: str, looped: bool = False, unrolled: bool = False) -> dict:
+def _dense_times(plan: Plan, log, qs, ctx, tag: str, looped: bool = False, unrolled: bool = False,
+                 traced: bool = False) -> dict:
     """Dense baselines, new part appended outside the timing: cuDNN, XLA (where its T x L scores
     fit) and, for decode, the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`).
 
     Per call (`time_ms`), or the device time per call with ``looped`` (`time_ms_looped`) or
-    ``unrolled`` (`time_ms_unrolled`): the same jitted functions on the same prepared queries, K/V
-    passed as arguments every way."""
+    ``unrolled`` (`time_ms_unrolled`), or with ``traced`` the kernel busy time per call from a
+    profiler trace (GPU only; empty elsewhere): the same jitted functions on the same prepared
+    queries, K/V passed as arguments every way."""
     import pallas_kernels
 
     k, v, kn, vn = ctx[:4]
@@ -347,17 +354,24 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, looped: bool = False, unrol
     out = {}
     for name, (fn, queries, fixed) in cases.items():
         try:
-            if unrolled:
+            if traced:
+                tr = next(iter(trace_calls(fn, [(qq, *fixed) for qq in queries], n=10).values()), None)
+                if tr:
+                    out[name] = tr["busy_ms_per_call"]
+            elif unrolled:
                 out[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
             elif looped:
                 out[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
             else:
                 out[name] = time_ms(fn, [(qq, *fixed) for qq in queries], reps=plan.reps)
         except Exception as e:  # noqa: BLE001
-            log(f"[dense{' unrolled' if unrolled else ' loop' if looped else ''}] {tag} {name}: ERROR {_err(e)}")
-    log(f"[dense{' unrolled' if unrolled else ' loop' if looped else ''}] {tag}: "
-        + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
+            log(f"[dense{_mode(looped, unrolled, traced)}] {tag} {name}: ERROR {_err(e)}")
+    log(f"[dense{_mode(looped, unrolled, traced)}] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
     return out
+
+
+def _mode(looped: bool, unrolled: bool, traced: bool) -> str:
+    return " kernels" if traced else " unrolled" if unrolled else " loop" if looped else ""
 
 
 def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, i: int) -> list[dict]:
@@ -416,8 +430,10 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
         best_loop = min(dense_loop.values(), default=None)
         dense_unr = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}", unrolled=True) if t == 1 else {}
         best_unr = min(dense_unr.values(), default=None)
+        dense_kern = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}", traced=True) if t == 1 else {}
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
-                "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr}
+                "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr,
+                "dense_kernel_busy_ms": dense_kern}
         for sp in sps:
             frac = None
             for name in ("squeezed", "hsqueezed"):
@@ -795,6 +811,19 @@ def to_markdown(res: dict) -> str:
                       f"{_f(r.get('total_unrolled_ms'))} | {_f(du.get('cudnn'))} | {_f(du.get('pallas'))} | "
                       f"{_f(r.get('speedup_vs_best_dense_unrolled'), 2, '×')} | {_f(r.get('total_ms'))} | "
                       f"{_f(r.get('speedup_vs_best_dense'), 2, '×')} |")
+        md.append("")
+    traced = [r for r in rows if "kernel_busy_ms" in r]
+    if traced:
+        md += ["## Decode, kernel time per call (profiler trace of 10 calls; busy = union of kernel intervals)", "",
+               "| Hq/Hkv | L | method | kept | kernel busy ms | dense kernel busy ms (cuDNN / Pallas) | ratio vs best "
+               "dense | largest kernels (ms per call) |", "|---|---|---|---|---|---|---|---|"]
+        for r in traced:
+            dk = r.get("dense_kernel_busy_ms") or {}
+            best = min(dk.values(), default=None)
+            md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['method']} | {_f(r.get('retrieved_frac'))} | "
+                      f"{_f(r['kernel_busy_ms'], 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
+                      f"{_f(best / r['kernel_busy_ms'] if best else None, 2, '×')} | "
+                      + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.4f}" for k in r.get("kernels", [])[:4]) + " |")
         md.append("")
     if rows:
         md += ["QUEST and SAAP (decode): budget matched to the kept fraction of the 1-level Squeezed row at that "
