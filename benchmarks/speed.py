@@ -286,6 +286,11 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
                                                         reps=plan.reps)
             if best_dense_unrolled:
                 row["speedup_vs_best_dense_unrolled"] = best_dense_unrolled / row["total_unrolled_ms"]
+            # the lookup's kernel time per call (hierarchical vs 1-level), from a profiler trace (GPU only)
+            tr = next(iter(trace_calls(functools.partial(kern, lookup_only=True), [(kidx, layout, *s) for s in sets],
+                                       n=10, top=6).values()), None)
+            if tr:
+                row["lookup_kernel_busy_ms"] = tr["busy_ms_per_call"]
             if kernel:  # kernel time per call and the largest kernels, from a profiler trace (GPU only)
                 tr = next(iter(trace_calls(kern, [(kidx, layout, *s) for s in sets], n=10, top=6).values()), None)
                 if tr:
@@ -812,17 +817,20 @@ def to_markdown(res: dict) -> str:
                       f"{_f(r.get('speedup_vs_best_dense_unrolled'), 2, '×')} | {_f(r.get('total_ms'))} | "
                       f"{_f(r.get('speedup_vs_best_dense'), 2, '×')} |")
         md.append("")
-    traced = [r for r in rows if "kernel_busy_ms" in r]
+    traced = [r for r in rows if "kernel_busy_ms" in r or "lookup_kernel_busy_ms" in r]
     if traced:
         md += ["## Decode, kernel time per call (profiler trace of 10 calls; busy = union of kernel intervals)", "",
-               "| Hq/Hkv | L | method | kept | kernel busy ms | dense kernel busy ms (cuDNN / Pallas) | ratio vs best "
-               "dense | largest kernels (ms per call) |", "|---|---|---|---|---|---|---|---|"]
+               "| Hq/Hkv | L | method | kept | lookup kernels ms | kernel busy ms (whole decode) | dense kernel busy ms "
+               "(cuDNN / Pallas) | ratio vs best dense | largest kernels (ms per call) |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for r in traced:
             dk = r.get("dense_kernel_busy_ms") or {}
             best = min(dk.values(), default=None)
+            busy = r.get("kernel_busy_ms")
             md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['method']} | {_f(r.get('retrieved_frac'))} | "
-                      f"{_f(r['kernel_busy_ms'], 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
-                      f"{_f(best / r['kernel_busy_ms'] if best else None, 2, '×')} | "
+                      f"{_f(r.get('lookup_kernel_busy_ms'), 4)} | "
+                      f"{_f(busy, 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
+                      f"{_f(best / busy if best and busy else None, 2, '×')} | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.4f}" for k in r.get("kernels", [])[:4]) + " |")
         md.append("")
     if rows:

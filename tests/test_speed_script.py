@@ -38,7 +38,7 @@ def test_speed_decode_rows_cpu_smoke(tmp_path):
     from benchmarks.speed import to_markdown
 
     row = next(x for x in rows if x["method"] == "squeezed")
-    row.update(kernel_busy_ms=0.05, kernels=[{"name": "clustered_attention", "ms_per_call": 0.03, "per_call": 1.0}],
+    row.update(kernel_busy_ms=0.05, lookup_kernel_busy_ms=0.01, kernels=[{"name": "clustered_attention", "ms_per_call": 0.03, "per_call": 1.0}],
                dense_kernel_busy_ms={"cudnn": 0.15, "pallas": 0.16})
     md = to_markdown(res)
     assert "kernel time per call" in md and "| 3.00× |" in md and "`clustered_attention` 0.0300" in md
