@@ -121,3 +121,8 @@ def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
                     "kernels": [{"name": k["name"], "ms_per_call": k["total_ms"] / n, "per_call": k["count"] / n}
                                 for k in act["by_name"]]}
             for plane, act in planes.items()}
+
+
+def kernel_time_per_call(call: Callable, sets: list, *, n: int = 10, top: int = 12) -> dict | None:
+    """`trace_calls` on the first device: {busy_ms_per_call, kernels}, or None without a device."""
+    return next(iter(trace_calls(call, sets, n=n, top=top).values()), None)

@@ -238,9 +238,9 @@ def dense_baselines(plan: Plan, case: dict, ctx: dict, log) -> None:
   s0 = ctx["sets"][0]
   dctx = (ctx["ks"], ctx["vs"], s0["kn"], s0["vn"], ctx["qp"], ctx["kvp"])
   qs = [s["q"][:, None, :] for s in ctx["sets"]]                         # [Hq, 1, d]
-  case["dense_ms"] = speed._dense_times(sp, log, qs, dctx, f"L={ctx['L']} decode")
-  case["dense_loop_ms"] = speed._dense_times(dataclasses.replace(sp, loop_iters=plan.loop_iters), log, qs, dctx,
-                                             f"L={ctx['L']} decode", looped=True)
+  dense = speed._dense_times(dataclasses.replace(sp, loop_iters=plan.loop_iters), log, qs, dctx,
+                             f"L={ctx['L']} decode", ("call", "loop"))
+  case["dense_ms"], case["dense_loop_ms"] = dense["call"], dense["loop"]
   want = ("xla", "pallas") if plan.smoke else ("cudnn", "xla", "pallas")
   for name in want:
     if name not in case["dense_ms"]:

@@ -66,7 +66,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from benchmarks._meta import time_ms_looped  # noqa: E402
+from benchmarks._meta import time_ms, time_ms_looped  # noqa: E402
 from benchmarks._profile import trace_calls  # noqa: E402
 from sqjax import sharding as sh  # noqa: E402
 from sqjax import squeezed  # noqa: E402
@@ -141,12 +141,6 @@ def make_plan(args) -> Plan:
 def short_error(e: BaseException) -> str:
   msg = f"{type(e).__name__}: {e}"
   return msg if len(msg) < 800 else msg[:800] + " ..."
-
-
-def time_fn(fn, sets, *, reps: int, inner: int) -> float:
-  """Median over reps of the mean per-call time (ms) of `inner` back-to-back calls (benchmarks._meta)."""
-  from benchmarks._meta import time_ms
-  return time_ms(fn, sets, reps=reps, inner=inner)
 
 
 def rel_err(a, b) -> float:
@@ -375,7 +369,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
         return jf(q, kn, vn, *big)
 
       results[name] = call(*sets[0])
-      info[f"{name}_ms"] = round(time_fn(call, sets, reps=plan.reps, inner=plan.inner), 4)
+      info[f"{name}_ms"] = round(time_ms(call, sets, reps=plan.reps, inner=plan.inner), 4)
       # device time per call: the calls inside one jitted loop (host dispatch paid once per loop)
       info[f"{name}_loop_ms"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
                                                      n_iter=plan.loop_iters, reps=plan.reps), 4)

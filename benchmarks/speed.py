@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._meta import metadata, time_ms, time_ms_looped, time_ms_unrolled, write_json
-from benchmarks._profile import device_activity, trace_calls
+from benchmarks._profile import device_activity, kernel_time_per_call
 
 BF16 = jnp.bfloat16
 
@@ -287,12 +287,12 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
             if best_dense_unrolled:
                 row["speedup_vs_best_dense_unrolled"] = best_dense_unrolled / row["total_unrolled_ms"]
             # the lookup's kernel time per call (hierarchical vs 1-level), from a profiler trace (GPU only)
-            tr = next(iter(trace_calls(functools.partial(kern, lookup_only=True), [(kidx, layout, *s) for s in sets],
-                                       n=10, top=6).values()), None)
+            ksets = [(kidx, layout, *s) for s in sets]
+            tr = kernel_time_per_call(functools.partial(kern, lookup_only=True), ksets, top=6)
             if tr:
                 row["lookup_kernel_busy_ms"] = tr["busy_ms_per_call"]
             if kernel:  # kernel time per call and the largest kernels, from a profiler trace (GPU only)
-                tr = next(iter(trace_calls(kern, [(kidx, layout, *s) for s in sets], n=10, top=6).values()), None)
+                tr = kernel_time_per_call(kern, ksets, top=6)
                 if tr:
                     row["kernel_busy_ms"] = tr["busy_ms_per_call"]
                     row["kernels"] = tr["kernels"]
@@ -334,15 +334,17 @@ def _saap_probes(method, index, qs, length: int, frac: float) -> int:
     return int(np.argmin(np.abs((cum + dense) / length - frac))) + 1
 
 
-def _dense_times(plan: Plan, log, qs, ctx, tag: str, looped: bool = False, unrolled: bool = False,
-                 traced: bool = False) -> dict:
+_DENSE_MODES = {"call": "", "loop": " loop", "unrolled": " unrolled", "kernels": " kernels"}
+
+
+def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
     """Dense baselines, new part appended outside the timing: cuDNN, XLA (where its T x L scores
     fit) and, for decode, the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`).
 
-    Per call (`time_ms`), or the device time per call with ``looped`` (`time_ms_looped`) or
-    ``unrolled`` (`time_ms_unrolled`), or with ``traced`` the kernel busy time per call from a
-    profiler trace (GPU only; empty elsewhere): the same jitted functions on the same prepared
-    queries, K/V passed as arguments every way."""
+    {mode: {baseline: ms}} for each of `modes`: "call" (`time_ms`), the device time per call
+    "loop" (`time_ms_looped`) or "unrolled" (`time_ms_unrolled`), or "kernels", the kernel busy
+    time per call from a profiler trace (GPU only; empty elsewhere): the same jitted functions on
+    the same prepared queries, K/V concatenated once and passed as arguments every way."""
     import pallas_kernels
 
     k, v, kn, vn = ctx[:4]
@@ -357,26 +359,24 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, looped: bool = False, unrol
                                backend=plan.backend)
         cases["pallas"] = (fn, list(qs), tuple(ctx))
     out = {}
-    for name, (fn, queries, fixed) in cases.items():
-        try:
-            if traced:
-                tr = next(iter(trace_calls(fn, [(qq, *fixed) for qq in queries], n=10).values()), None)
-                if tr:
-                    out[name] = tr["busy_ms_per_call"]
-            elif unrolled:
-                out[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
-            elif looped:
-                out[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
-            else:
-                out[name] = time_ms(fn, [(qq, *fixed) for qq in queries], reps=plan.reps)
-        except Exception as e:  # noqa: BLE001
-            log(f"[dense{_mode(looped, unrolled, traced)}] {tag} {name}: ERROR {_err(e)}")
-    log(f"[dense{_mode(looped, unrolled, traced)}] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in out.items()))
+    for mode in modes:
+        times = out[mode] = {}
+        for name, (fn, queries, fixed) in cases.items():
+            try:
+                if mode == "kernels":
+                    tr = kernel_time_per_call(fn, [(qq, *fixed) for qq in queries])
+                    if tr:
+                        times[name] = tr["busy_ms_per_call"]
+                elif mode == "unrolled":
+                    times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
+                elif mode == "loop":
+                    times[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=plan.loop_iters, reps=plan.reps)
+                else:
+                    times[name] = time_ms(fn, [(qq, *fixed) for qq in queries], reps=plan.reps)
+            except Exception as e:  # noqa: BLE001
+                log(f"[dense{_DENSE_MODES[mode]}] {tag} {name}: ERROR {_err(e)}")
+        log(f"[dense{_DENSE_MODES[mode]}] {tag}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()))
     return out
-
-
-def _mode(looped: bool, unrolled: bool, traced: bool) -> str:
-    return " kernels" if traced else " unrolled" if unrolled else " loop" if looped else ""
 
 
 def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, i: int) -> list[dict]:
@@ -429,13 +429,10 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             break
         qs = [src.queries(t, seed=100 * t + j, n_heads=hq) for j in range(3)]
         ctx = (k, v, kn, vn, (length + n_new - t + jnp.arange(t)).astype(jnp.int32), kv_pos)
-        dense_ms = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}")
-        best = min(dense_ms.values(), default=None)
-        dense_loop = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}", looped=True) if t == 1 else {}
-        best_loop = min(dense_loop.values(), default=None)
-        dense_unr = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}", unrolled=True) if t == 1 else {}
-        best_unr = min(dense_unr.values(), default=None)
-        dense_kern = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}", traced=True) if t == 1 else {}
+        dense = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}",
+                             ("call", "loop", "unrolled", "kernels") if t == 1 else ("call",))
+        dense_ms, dense_loop, dense_unr, dense_kern = (dense.get(m, {}) for m in ("call", "loop", "unrolled", "kernels"))
+        best, best_loop, best_unr = (min(x.values(), default=None) for x in (dense_ms, dense_loop, dense_unr))
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
                 "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr,
                 "dense_kernel_busy_ms": dense_kern}
@@ -580,7 +577,8 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     # SmolLM2 ones) put its score distribution elsewhere and the in-situ selection kept ~all rows
     n_obs = 100 if not plan.cpu else 8
     obs_tokens = jax.random.randint(jax.random.key(7), (1, n_obs), 0, cfg.vocab_size)
-    q_obs = model_queries(full_hook, attention_state(k_fix, v_fix, None), obs_tokens, length - n_obs)
+    full_state = attention_state(k_fix, v_fix, None)
+    q_obs = model_queries(full_hook, full_state, obs_tokens, length - n_obs)
     data = ContextData(k_fix, v_fix, q_obs.astype(BF16), scale=1.0 / math.sqrt(plan.d))
     from sqjax import dispatch
 
@@ -592,13 +590,14 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
         index, info = method.build(data)
     jax.block_until_ready(index)
     out["index_build_s"] = time.perf_counter() - t0
-    out["index_kmeans"] = "k-means++, 8 Lloyd iterations; threshold calibrated on 100 queries of the model itself"
+    out["index_kmeans"] = f"k-means++, 8 Lloyd iterations; threshold calibrated on {n_obs} queries of the model itself"
     log(f"[e2e] index built in {out['index_build_s']:.1f}s")
     n_prompt, n_steps = (128 if not plan.cpu else 8), plan.e2e_steps
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
 
     # the model's decode queries (one token after the question, full attention upstream)
-    q_dec = model_queries(full_hook, attention_state(k_fix, v_fix, None), tokens[:, :1], length + n_prompt)
+    q_dec = model_queries(full_hook, full_state, tokens[:, :1], length + n_prompt)
+    del full_state
     with dispatch.using(plan.backend):  # fraction of the fixed context Squeezed selects for them
         out["kept_in_situ_per_layer"] = [
             float(jnp.mean(method.select(index, layer, q_dec[layer], None, data.k[layer]).kv_rows) / length)

@@ -245,27 +245,19 @@ class FixedContext:
         return int(self.doc_ids.shape[0])
 
     # ----------------------------------------------------------------------------- running
-    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool):
-        """Forward `ids` (−1 = left padding) at positions start_pos.. through the sparse hook."""
+    def _forward(self, tokens, positions, cache, capture: int | None | bool):
+        """tokens, positions int32 [1, T] (host or device arrays) through the sparse hook."""
         from models.forward import forward_jit
 
+        return forward_jit(self.model.graphdef, self.model.state, tokens, positions, cache, attn_fn=self._hook,
+                           attn_state=self._state, capture_last=capture, logits="all")
+
+    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool):
+        """Forward `ids` (−1 = left padding) at positions start_pos.. through the sparse hook."""
         ids = np.asarray(ids, np.int32)
         pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
         tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
-        return forward_jit(
-            self.model.graphdef, self.model.state, jnp.asarray(tokens[None]), jnp.asarray(pos[None]), cache,
-            attn_fn=self._hook, attn_state=self._state, capture_last=capture, logits="all",
-        )
-
-    def _run_token(self, token: jax.Array, pos: int, cache):
-        """One decode step: int32 [1] token (may still be on the device) at position `pos`,
-        capturing the layer queries for the accounting."""
-        from models.forward import forward_jit
-
-        return forward_jit(
-            self.model.graphdef, self.model.state, jnp.reshape(token, (1, 1)), jnp.full((1, 1), pos, jnp.int32),
-            cache, attn_fn=self._hook, attn_state=self._state, capture_last=1, logits="all",
-        )
+        return self._forward(jnp.asarray(tokens[None]), jnp.asarray(pos[None]), cache, capture)
 
     def _new_cache(self, n: int):
         return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
@@ -329,7 +321,8 @@ class FixedContext:
             ahead = None
             if step < max_new_tokens - 1:
                 tok = jnp.full((1,), nxt, jnp.int32) if nxt_dev is None else nxt_dev
-                logits, cache, caps = self._run_token(tok, pos, cache)
+                logits, cache, caps = self._forward(jnp.reshape(tok, (1, 1)), jnp.full((1, 1), pos, jnp.int32),
+                                                    cache, capture=1)
                 ahead = (_sample(logits[0, -1], jax.random.fold_in(key, step + 1), temperature, top_p), caps)
                 pos += 1
             if nxt_dev is not None:
@@ -416,7 +409,7 @@ class FixedContext:
                 "doc_ids": self.doc_ids, "last_logits": self.last_logits}
         header = {
             "model_fingerprint": self.model.fingerprint,
-            "model_dtype": jnp.dtype(getattr(self.model, "dtype", self.data.k.dtype)).name,
+            "model_dtype": _model_dtype(self.model),
             "model_name": self.model.name,
             "model_source": getattr(self.model, "source", None),
             "tokenizer": getattr(self.model.tokenizer, "name", None),
@@ -435,7 +428,7 @@ class FixedContext:
         except index_io.IndexFileError as e:
             raise SqjaxError(str(e)) from None
         built = header.get("model_dtype")
-        have = jnp.dtype(getattr(model, "dtype", jnp.float32)).name
+        have = _model_dtype(model)
         if built is not None and built != have:
             raise SqjaxError(f"{path} was built with the model in {built}, this model runs in {have}: its stored "
                              f"keys/values and thresholds belong to {built}; load the model with dtype={built} "
@@ -519,6 +512,11 @@ def _lookup_stats_jit(method, index, k_fixed, q, q_pre, q_valid):
         meta.append(m)
         over.append(o)
     return rows, meta, over  # lists over layers (dense layers have Ts = 1)
+
+
+def _model_dtype(model) -> str:
+    """The model's compute dtype name (`LoadedModel.dtype`; float32 where a model has none)."""
+    return jnp.dtype(getattr(model, "dtype", jnp.float32)).name
 
 
 def _sample(logits, key, temperature: float, top_p: float):
