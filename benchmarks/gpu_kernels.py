@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
-                            centroid_lookup_prefill, centroid_lookup_reference, children_csr,
+                            centroid_lookup_prefill, centroid_lookup_reference,
                             clusters_to_indices, dense_attention_reference, dense_decode_attention,
                             gather_then_dense_attention,
                             hierarchical_lookup_decode, hierarchical_lookup_prefill,
@@ -284,16 +284,16 @@ def run_checks(plan: Plan, log) -> list[dict]:
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"lse_err": rel_err(lse, rlse)}
 
-  def hier_case(vote, prefill):
+  def hier_case(vote, prefill, parent_major):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     c1n = max(2, num_c // 5)
-    parent = jnp.asarray(rng.integers(0, c1n, size=(hkv, num_c)), jnp.int32)
+    parent = rng.integers(0, c1n, size=(hkv, num_c))
+    parent = jnp.asarray(np.sort(parent, axis=1) if parent_major else parent, jnp.int32)
     c1 = jnp.asarray(rng.normal(size=(hkv, c1n, d)), BF16)
     n1 = jax.vmap(lambda p, n: jnp.zeros(c1n, jnp.int32).at[p].add(n))(parent, x["ccnt"])
-    off, ch = children_csr(parent, c1n)
     q = x["q"] if prefill else x["q"][:, 0]
     t1 = np.float32(0.5 / c1n)
-    args = (q, c1, n1, x["cent"], x["ccnt"], off, ch, t1, np.float32(1.0 / num_c))
+    args = (q, c1, n1, x["cent"], x["ccnt"], parent, t1, np.float32(1.0 / num_c))
     f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
     sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be)
     rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
@@ -344,8 +344,10 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("sparse_attention decode Hs=Hq", lambda: attn_case(1, hq, False), ta)
     check("sparse_attention prefill Hs=Hq", lambda: attn_case(seq_len, hq, False), ta)
   if plan.checks in ("full", "smoke"):
-    check("hierarchical_lookup_prefill vote=kv", lambda: hier_case("kv", True), tl)
-    check("hierarchical_lookup_decode vote=q", lambda: hier_case("q", False), tl)
+    check("hierarchical_lookup_prefill vote=kv parent-major", lambda: hier_case("kv", True, True), tl)
+    check("hierarchical_lookup_prefill vote=q", lambda: hier_case("q", True, False), tl)
+    check("hierarchical_lookup_decode vote=q", lambda: hier_case("q", False, False), tl)
+    check("hierarchical_lookup_decode vote=kv parent-major", lambda: hier_case("kv", False, True), tl)
     check("quest scores + page-sparse decode", quest_case, ta)
     check("saap_attention decode", saap_case, ta)
   if plan.checks in ("full", "quick"):

@@ -29,13 +29,15 @@ jnp) forms ``D = sum_b l_b exp(m_b - M)`` and ``S_i = e_i exp(m_b - M) / D`` (th
 paper compares ``e_i`` with ``D T`` rescaled by ``exp(m_b - M)``; the group vote
 needs the normalised ``S_i`` itself, one multiply more).
 
-The same kernels take an optional per-group candidate list (``ids``/``n_ids``),
-which ``hierarchical_lookup`` uses for its level-2 pass.
+The same kernels take an optional ``Level2Mask`` (a parent per centroid and the kept
+parents per group), which ``hierarchical_lookup`` uses for its level-2 pass: rows whose
+parent was dropped are never loaded, and the statistics pass loops over live blocks only.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,15 +96,34 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
-def _load_centroid_block(c_ref, n_ref, ids_ref, *, grp, kv, j, n, num_c, ncand, d):
-  """Centroid rows for slots ``j`` of group ``grp``: ids, validity, counts, rows."""
-  jv = j < n
-  if ids_ref is not None:
-    cid = cm.gather_vec(ids_ref, grp * ncand + j, jv & (j < ncand), other=-1)
-  else:
-    cid = j
-  cv = jv & (cid >= 0) & (cid < num_c)
-  row = kv * num_c + cid
+class Level2Mask(NamedTuple):
+  """Which centroids a group may read (hierarchical level 2, Eq. 3).
+
+  Centroid ``i`` of KV head ``kv`` is live for group ``grp`` only where
+  ``0 <= parent[kv, i] < P`` and ``keep[grp, parent[kv, i]]`` is non-zero.  Rows that
+  are not live are never loaded and take no part in the denominator.  ``blocks`` /
+  ``n_blocks`` (prefill statistics pass only) list, per group, the centroid blocks of
+  ``block_c`` rows holding at least one live row, so that pass loops over those alone.
+  """
+  parent: jax.Array      # [Hkv, C] int32 level-1 parent of each centroid
+  keep: jax.Array        # [G, P] int32 non-zero: the parent survived for group grp
+  blocks: jax.Array | None = None    # [G, nB] int32 live block ids first
+  n_blocks: jax.Array | None = None  # [G] int32 live blocks per group
+
+
+def _load_centroid_block(c_ref, n_ref, lvl, *, grp, kv, j, num_c, num_p, d):
+  """Rows ``j`` of KV head ``kv`` for group ``grp``: (validity, counts, rows).
+
+  ``lvl`` = (parent_ref [Hkv * C], keep_ref [G * P]) or None: with it, a row is valid
+  only where its parent was kept for the group (masked loads: no traffic otherwise).
+  """
+  cv = j < num_c
+  row = kv * num_c + j
+  if lvl is not None:
+    parent_ref, keep_ref = lvl
+    par = cm.gather_vec(parent_ref, row, cv, other=-1)
+    pv = cv & (par >= 0) & (par < num_p)
+    cv = pv & (cm.gather_vec(keep_ref, grp * num_p + par, pv, other=0) > 0)
   cnt = cm.gather_vec(n_ref, row, cv, other=0)                    # [Bc] int32
   valid = cv & (cnt > 0)
   c = cm.gather_rows(c_ref, row, d, valid)                        # [Bc, d]
@@ -112,22 +133,17 @@ def _load_centroid_block(c_ref, n_ref, ids_ref, *, grp, kv, j, n, num_c, ncand, 
 def _decode_kernel(q_ref,      # [Hq, d]
                    c_ref,      # [Hkv * C, d]
                    n_ref,      # [Hkv * C] int32
-                   *refs,      # (ids [G * Cc], n_ids [G])?, e, m, l
-                   scale, num_c, group, r, rp, block_c, d, has_ids, ncand):
-  if has_ids:
-    ids_ref, nids_ref, e_ref, m_ref, l_ref = refs
-  else:
-    ids_ref = nids_ref = None
-    e_ref, m_ref, l_ref = refs
+                   *refs,      # (parent [Hkv * C], keep [G * P])?, e, m, l
+                   scale, num_c, group, r, rp, block_c, d, num_p):
+  lvl, (e_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if num_p else (None, refs)
   grp = pl.program_id(0)
   cb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   hr = jnp.arange(rp, dtype=jnp.int32)
   q = cm.gather_rows(q_ref, grp * r + hr, d, hr < r)              # [rp, d]
   j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  n = nids_ref[grp] if has_ids else num_c
-  valid, cnt, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
-                                       num_c=num_c, ncand=ncand, d=d)
+  valid, cnt, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
+                                       num_p=num_p, d=d)
   s = plgpu.dot(q, c, trans_b=True) * scale                       # [rp, Bc] f32
   s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
   m = jnp.max(s, axis=1)                                          # [rp]
@@ -143,33 +159,29 @@ def _decode_kernel(q_ref,      # [Hq, d]
 def _stats_kernel(q_ref,      # [Hq * T, d]
                   c_ref,      # [Hkv * C, d]
                   n_ref,      # [Hkv * C] int32
-                  *refs,      # (ids, n_ids)?, m [Hq, Tp], l [Hq, Tp]
-                  scale, seq_len, num_c, group, r, block_t, block_c, d, has_ids, ncand):
-  if has_ids:
-    ids_ref, nids_ref, m_ref, l_ref = refs
+                  *refs,      # (parent, keep, blocks [G * nB], n_blocks [G])?, m [Hq, Tp], l [Hq, Tp]
+                  scale, seq_len, num_c, group, r, block_t, block_c, d, num_p):
+  if num_p:
+    parent_ref, keep_ref, blk_ref, nblk_ref, m_ref, l_ref = refs
+    lvl = (parent_ref, keep_ref)
   else:
-    ids_ref = nids_ref = None
-    m_ref, l_ref = refs
+    lvl, (m_ref, l_ref) = None, refs
   tb = pl.program_id(0)   # token blocks fastest: concurrent programs share the centroids
   h = pl.program_id(1)
   grp = cm.kdiv(h, r)
   kv = cm.kdiv(h, group)
   t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
   q = cm.gather_rows(q_ref, h * seq_len + t, d, t < seq_len)      # [Bt, d]
-  if has_ids:
-    n = nids_ref[grp]
-    nblocks = cm.kcdiv(jnp.clip(n, 0, ncand), block_c)
-  else:
-    n = num_c
-    nblocks = cm.cdiv(num_c, block_c)
-
+  nb_all = cm.cdiv(num_c, block_c)
+  nblocks = nblk_ref[grp] if num_p else nb_all                    # live blocks only
   scale2 = scale * _LOG2E   # base-2 logits: exp2 is the hardware's exp
 
   def body(b, carry):
     m_prev, l_prev = carry
-    j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
-    valid, cnt, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
-                                         num_c=num_c, ncand=ncand, d=d)
+    blk = blk_ref[grp * nb_all + b] if num_p else b
+    j = blk * block_c + jnp.arange(block_c, dtype=jnp.int32)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
+                                         num_p=num_p, d=d)
     s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc] log2 units
     s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -181,7 +193,10 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
 
   m0 = jnp.full((block_t,), cm.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_t,), jnp.float32)
-  m, l = lax.fori_loop(0, nblocks, body, (m0, l0))
+  if num_p:  # traced trip count: int32 bounds on both ends (see the scoring pass)
+    m, l = lax.fori_loop(jnp.int32(0), nblocks.astype(jnp.int32), body, (m0, l0))
+  else:
+    m, l = lax.fori_loop(0, nblocks, body, (m0, l0))
   m_ref[h, pl.ds(tb * block_t, block_t)] = m
   l_ref[h, pl.ds(tb * block_t, block_t)] = l
 
@@ -191,21 +206,16 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   ms_ref,     # [Hq, Tp] f32 (kernel A)
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
-                  *refs,      # (ids, n_ids)?, out [G, nB * Bc]
-                  scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, has_ids,
-                  ncand, tile_acc=False):
-  if has_ids:
-    ids_ref, nids_ref, o_ref = refs
-  else:
-    ids_ref = nids_ref = None
-    (o_ref,) = refs
+                  *refs,      # (parent, keep)?, out [G, nB * Bc]
+                  scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, num_p,
+                  tile_acc=False):
+  lvl, (o_ref,) = (refs[:2], refs[2:]) if num_p else (None, refs)
   cb = pl.program_id(0)   # centroid blocks fastest: concurrent programs share the queries
   grp = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  n = nids_ref[grp] if has_ids else num_c
-  valid, _, c = _load_centroid_block(c_ref, n_ref, ids_ref, grp=grp, kv=kv, j=j, n=n,
-                                     num_c=num_c, ncand=ncand, d=d)  # c: [Bc, d]
+  valid, _, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
+                                     num_p=num_p, d=d)  # c: [Bc, d]
   scale2 = scale * _LOG2E   # the statistics pass's base-2 units
 
   def body(it, acc):
@@ -224,7 +234,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
       return acc + p * inv[:, None]                                 # [Bt, Bc]
     return acc + jnp.sum(p * inv[:, None], axis=0)
 
-  active = cb * block_c < n
+  # a level-2 block with no live row does no work (its output is zero)
+  active = jnp.max(valid.astype(jnp.int32)) > 0 if num_p else True
   # explicit int32 bounds: a Python-int branch of jnp.where lowers to a different integer
   # type than the loop's lower bound and Triton rejects the scf.for (seen on H200)
   n_it = jnp.where(active, jnp.int32(r * n_tb), jnp.int32(0)).astype(jnp.int32)
@@ -245,29 +256,31 @@ def _flat_inputs(centroids, counts, d_pad):
   return c, counts.reshape(hkv * num_c)
 
 
-def lookup_decode_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cfg, backend):
-  """Per-head Eq. 1 scores of each group's slots, one query token.
+def _mask_args(mask: Level2Mask | None) -> tuple[list, int]:
+  if mask is None:
+    return [], 0
+  return [mask.parent.reshape(-1), mask.keep.astype(jnp.int32).reshape(-1)], mask.keep.shape[1]
 
-  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32; ids [G, Cc] int32 or None
-  (slot j of group g is centroid ids[g, j] for j < n_ids[g]; else slot j is centroid
-  j); the denominator of a head sums over its group's valid slots only.
-  Returns S [G, R, Cc] f32 (R = Hq // G); 0 on invalid slots.
+
+def lookup_decode_scores(q, centroids, counts, mask, *, scale, groups, cfg, backend):
+  """Per-head Eq. 1 scores, one query token; grid (group x centroid block).
+
+  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32; mask: ``Level2Mask`` or None
+  (the denominator of a head sums over its group's live centroids only).
+  Returns S [G, R, C] f32 (R = Hq // G); 0 where not live.
   """
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
   rp = max(16, cm.next_pow2(r))
   dp = cm.padded_head_dim(d)
-  ncand = num_c if ids is None else ids.shape[1]
-  block_c = min(cfg.block_c, max(16, cm.next_pow2(ncand)))
-  nb = cm.cdiv(ncand, block_c)
+  block_c = min(cfg.block_c, max(16, cm.next_pow2(num_c)))
+  nb = cm.cdiv(num_c, block_c)
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
-  args = [cm.pad_axis(q, 1, dp), c_flat, n_flat]
-  if ids is not None:
-    args += [ids.reshape(-1), n_ids]
+  extra, num_p = _mask_args(mask)
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-      block_c=block_c, d=dp, has_ids=ids is not None, ncand=ncand)
+      block_c=block_c, d=dp, num_p=num_p)
   e, m, l = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb),
@@ -276,8 +289,8 @@ def lookup_decode_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cfg
           jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
           jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
       ],
-      name="centroid_lookup_decode",
-  )(*args)
+      name="centroid_lookup_decode" if mask is None else "centroid_lookup_decode_level2",
+  )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
   # Second, cheap reduction across centroid blocks (fused by XLA).
   mx = jnp.max(m, axis=1, keepdims=True)                          # [G, 1, r]
   w = jnp.exp(m - mx)                                             # [G, nB, r]
@@ -285,38 +298,47 @@ def lookup_decode_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cfg
   f = jnp.where(den > 0, w / jnp.where(den > 0, den, 1.0), 0.0)
   s = e * f[..., None]                                            # [G, nB, r, Bc]
   s = jnp.transpose(s, (0, 2, 1, 3)).reshape(groups, r, nb * block_c)
-  return s[:, :, :ncand]
+  return s[:, :, :num_c]
 
 
-def lookup_prefill_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cfg, backend):
+def prefill_block_c(cfg: CentroidLookupConfig, num_c: int, seq_len: int) -> tuple[int, int, int, int]:
+  """(statistics Bc, Bt, scoring Bc, Bt) that ``lookup_prefill_scores`` uses for these sizes."""
+  fit_c = lambda b: min(b, max(16, cm.next_pow2(num_c)))            # noqa: E731
+  fit_t = lambda b: min(b, max(16, cm.next_pow2(seq_len)))          # noqa: E731
+  return (fit_c(cfg.block_c), fit_t(cfg.block_t), fit_c(cfg.score_block_c or cfg.block_c),
+          fit_t(cfg.score_block_t or cfg.block_t))
+
+
+def lookup_prefill_scores(q, centroids, counts, mask, *, scale, groups, cfg, backend):
   """Eq. 1 scores averaged over the T tokens and the R heads of each group.
 
-  q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; ids/n_ids as in
-  ``lookup_decode_scores``.  Returns avg [G, Cc] f32 (0 on invalid slots).
+  q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; mask as in
+  ``lookup_decode_scores``, with its block list made for the statistics pass's block
+  size (``prefill_block_c(...)[0]``).  Returns avg [G, C] f32 (0 where not live).
   """
   hq, seq_len, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
   dp = cm.padded_head_dim(d)
-  ncand = num_c if ids is None else ids.shape[1]
-  fit_c = lambda b: min(b, max(16, cm.next_pow2(ncand)))            # noqa: E731
-  fit_t = lambda b: min(b, max(16, cm.next_pow2(seq_len)))          # noqa: E731
-  bc_a, bt_a = fit_c(cfg.block_c), fit_t(cfg.block_t)              # statistics pass
-  bc_b, bt_b = fit_c(cfg.score_block_c or cfg.block_c), fit_t(cfg.score_block_t or cfg.block_t)
+  bc_a, bt_a, bc_b, bt_b = prefill_block_c(cfg, num_c, seq_len)
   t_pad = cm.cdiv(seq_len, max(bt_a, bt_b)) * max(bt_a, bt_b)     # m, l rows: both passes' blocks fit
-  nb = cm.cdiv(ncand, bc_b)
+  nb = cm.cdiv(num_c, bc_b)
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
   q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
-  extra = [] if ids is None else [ids.reshape(-1), n_ids]
-  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
-                has_ids=ids is not None, ncand=ncand)
+  extra, num_p = _mask_args(mask)
+  blocks = []
+  if mask is not None:
+    if mask.blocks is None or mask.blocks.shape != (groups, cm.cdiv(num_c, bc_a)):
+      raise ValueError(f"the level-2 mask needs its block list for blocks of {bc_a} centroids")
+    blocks = [mask.blocks.astype(jnp.int32).reshape(-1), mask.n_blocks.astype(jnp.int32)]
+  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp, num_p=num_p)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, **common), backend=backend,
       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(t_pad // bt_a, hq),
       out_shape=[jax.ShapeDtypeStruct((hq, t_pad), jnp.float32)] * 2,
       name="centroid_lookup_stats",
-  )(q_flat, c_flat, n_flat, *extra)
+  )(q_flat, c_flat, n_flat, *extra, *blocks)
   avg = pallas_call(
       functools.partial(_score_kernel, n_tb=cm.cdiv(seq_len, bt_b), tile_acc=cfg.tile_acc,
                         block_t=bt_b, block_c=bc_b, **common), backend=backend,
@@ -325,7 +347,7 @@ def lookup_prefill_scores(q, centroids, counts, ids, n_ids, *, scale, groups, cf
       out_shape=jax.ShapeDtypeStruct((groups, nb * bc_b), jnp.float32),
       name="centroid_lookup_scores",
   )(q_flat, c_flat, n_flat, m, l, *extra)
-  return avg[:, :ncand]
+  return avg[:, :num_c]
 
 
 # ----------------------------------------------------------------------------
@@ -426,7 +448,7 @@ def centroid_lookup_prefill(
   cfg = config or DEFAULT_PREFILL
   hq = q.shape[0]
   hs = cm.num_selection_heads(hq, centroids.shape[0], vote)
-  avg = lookup_prefill_scores(q, centroids, counts, None, None, scale=scale, groups=hs,
+  avg = lookup_prefill_scores(q, centroids, counts, None, scale=scale, groups=hs,
                               cfg=cfg, backend=be)
   return _finish(avg, counts, threshold, vote, hq)
 
@@ -458,7 +480,7 @@ def centroid_lookup_decode(
   hq = q.shape[0]
   hkv, num_c, _ = centroids.shape
   # Programs per (KV head, centroid block): each centroid row is read once for the group.
-  s = lookup_decode_scores(q, centroids, counts, None, None, scale=scale, groups=hkv,
+  s = lookup_decode_scores(q, centroids, counts, None, scale=scale, groups=hkv,
                            cfg=cfg, backend=be)                   # [Hkv, g, C]
   s = jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, num_c)
   return _finish(s, counts, threshold, vote, hq)

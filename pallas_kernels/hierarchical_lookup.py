@@ -4,8 +4,8 @@ Level 1 (coarse centroids ``C^(1)``, ``N^(1)`` keys under each)::
 
     S1_i = exp(s q.C1_i) / sum_j N1_j exp(s q.C1_j)                      (Eq. 2)
 
-clusters with ``S1 <= T1`` are dropped; the level-2 children of the survivors are
-the *candidates*, scored with the denominator restricted to the candidates::
+clusters with ``S1 < T1`` are dropped; the non-empty level-2 children of the survivors
+are the *candidates*, scored with the denominator restricted to the candidates::
 
     S2_l = exp(s q.C2_l) / sum_{m in candidates} N2_m exp(s q.C2_m)      (Eq. 3)
 
@@ -16,18 +16,19 @@ clusters (count 0) are never candidates' parents, never in a denominator, never
 selected.  The cost measure ``n_touched[s] = C1 + (number of candidates)`` is the
 number of centroid rows scored for selection head ``s``.
 
-Tree layout: level-2 clusters grouped by parent, CSR style, per KV head:
-``children[kv, child_offsets[kv, p] : child_offsets[kv, p + 1]]`` are the level-2
-ids under level-1 cluster ``p`` (``children_csr`` builds it from a parent array).
-A surviving parent's children are one contiguous range, so the candidate list is a
-concatenation of ranges.
+Tree: ``parent[kv, l]`` is the level-1 cluster of level-2 cluster ``l`` (outside
+``[0, C1)``: no parent, never a candidate).  Any numbering is correct; the level-2
+pass is fastest when level-2 clusters are numbered parent by parent (the library's
+index does this: ``sqjax.squeezed.cluster_fixed_context``), because a dropped parent's
+children are then whole blocks of rows that no program loads.
 
-Kernels: the level-1 pass is the one-level lookup kernel over the level-1
-centroids; a tiny fused jnp step (cumsum + searchsorted over C1 entries) turns the
-survivors into a compact candidate list ``[Hs, C2]`` + count per head (static
-capacity C2); the level-2 pass is the same lookup kernel driven by the candidate
-list: its grid is (selection head x candidate block) and blocks past a head's count
-do no loads, so the candidates are spread evenly over programs.
+Kernels: the level-1 pass is the one-level lookup kernel over the level-1 centroids;
+its survivors ``keep1 [Hs, C1]`` drive the same kernels over the level-2 centroids as a
+``Level2Mask``: each program gathers the parents of its rows, loads only the rows
+whose parent survived (masked loads: no traffic for the rest), and the prefill passes
+skip blocks with no live row (the statistics pass loops over a per-head list of live
+blocks; the scoring pass's programs for dead blocks return at once).  No candidate
+list, no scatter: outputs are in level-2 order.
 """
 from __future__ import annotations
 
@@ -37,58 +38,38 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, lookup_decode_scores,
-                                            lookup_prefill_scores)
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level2Mask,
+                                            lookup_decode_scores, lookup_prefill_scores,
+                                            prefill_block_c)
 from pallas_kernels._dispatch import resolve_backend
 
-__all__ = ["children_csr", "hierarchical_lookup_prefill", "hierarchical_lookup_decode",
-           "hierarchical_lookup_reference", "CentroidLookupConfig"]
+__all__ = ["hierarchical_lookup_prefill", "hierarchical_lookup_decode", "hierarchical_scores",
+           "hierarchical_lookup_reference", "parent_major_order", "CentroidLookupConfig"]
 
 
-@functools.partial(jax.jit, static_argnames=("num_level1", "backend"))
-def children_csr(parent: jax.Array, num_level1: int, *,
-                 backend: str = "auto") -> tuple[jax.Array, jax.Array]:
-  """parent [Hkv, C2] int32 (level-1 parent of each level-2 cluster) ->
-  (child_offsets [Hkv, C1 + 1] int32, children [Hkv, C2] int32).
-
-  Level-2 clusters whose parent is outside ``[0, C1)`` belong to no range.  Offline
-  (once per index): plain jnp on every backend; ``backend`` is only validated.
-  """
-  resolve_backend(backend)
-  if parent.ndim != 2:
-    raise ValueError(f"parent must be [Hkv, C2], got {tuple(parent.shape)}")
-  cm.check_int32("parent", parent)
-  order = jnp.argsort(parent, axis=1, stable=True).astype(jnp.int32)
-  sp = jnp.take_along_axis(parent, order, axis=1)
-  bounds = jnp.arange(num_level1 + 1, dtype=parent.dtype)
-  offs = jax.vmap(lambda row: jnp.searchsorted(row, bounds, side="left", method="scan_unrolled"))(sp)
-  return offs.astype(jnp.int32), order
-
-
-def _validate(q, c1, n1, c2, n2, child_offsets, children, t1, t2, vote, q_rank):
-  shapes = cm.shape_str(q=q, c1=c1, n1=n1, c2=c2, n2=n2, child_offsets=child_offsets,
-                        children=children)
-  if q.ndim != q_rank:
-    raise ValueError(f"q must be {'[Hq, T, d]' if q_rank == 3 else '[Hq, d]'}; got {shapes}")
+def _validate(q, c1, n1, c2, n2, parent, t1, vote, q_ranks):
+  shapes = cm.shape_str(q=q, c1=c1, n1=n1, c2=c2, n2=n2, parent=parent)
+  if q.ndim not in q_ranks:
+    raise ValueError(f"q must be {' or '.join({3: '[Hq, T, d]', 2: '[Hq, d]'}[k] for k in q_ranks)}; got {shapes}")
   if c1.ndim != 3 or c2.ndim != 3 or n1.shape != c1.shape[:2] or n2.shape != c2.shape[:2]:
     raise ValueError(f"need c1 [Hkv, C1, d], n1 [Hkv, C1], c2 [Hkv, C2, d], n2 [Hkv, C2]; got {shapes}")
-  hkv, num_c1, d = c1.shape
-  num_c2 = c2.shape[1]
+  hkv, _, d = c1.shape
   if c2.shape[0] != hkv or c2.shape[2] != d or q.shape[-1] != d:
     raise ValueError(f"head counts / head dims differ; got {shapes}")
-  if child_offsets.shape != (hkv, num_c1 + 1) or children.shape != (hkv, num_c2):
-    raise ValueError(f"need child_offsets [Hkv, C1 + 1] and children [Hkv, C2]; got {shapes}")
-  if q_rank == 3 and q.shape[1] < 1:
+  if parent.shape != n2.shape:
+    raise ValueError(f"need parent [Hkv, C2] (the level-1 parent of each level-2 cluster); got {shapes}")
+  if c1.shape[1] < 1 or c2.shape[1] < 1:
+    raise ValueError(f"need at least one cluster on each level; got {shapes}")
+  if q.ndim == 3 and q.shape[1] < 1:
     raise ValueError(f"need at least one query token; got {shapes}")
   cm.check_heads(q.shape[0], hkv, shapes)
   cm.check_float("q", q)
   cm.check_same_dtype(q=q, c1=c1, c2=c2)
-  for name, x in (("n1", n1), ("n2", n2), ("child_offsets", child_offsets), ("children", children)):
+  for name, x in (("n1", n1), ("n2", n2), ("parent", parent)):
     cm.check_int32(name, x)
   cm.check_vote(vote)
-  for name, t in (("t1", t1), ("t2", t2)):
-    if jnp.ndim(t) != 0:
-      raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(t)}")
+  if jnp.ndim(t1) != 0:
+    raise ValueError(f"t1 must be a scalar, got shape {jnp.shape(t1)}")
 
 
 def _kvh(hq, hkv, hs):
@@ -100,55 +81,69 @@ def _vote_rows(s, vote, hq):
   return jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, s.shape[-1])
 
 
-def _candidates(sel1, child_offsets, children, kvh):
-  """Survivors -> compact candidate list (cand [Hs, C2], -1 padded; n_cand [Hs])."""
-  cand, n_cand, _ = cm.expand_ranges(sel1, child_offsets, children, kvh, children.shape[1])
-  return cand, n_cand
+def _survivors(s1, n1, t1, kvh):
+  """Level-1 clusters kept: non-empty and S1 >= T1.  [Hs, C1] bool."""
+  return (n1[kvh] > 0) & (s1 >= jnp.asarray(t1, jnp.float32))
 
 
-def _scatter(slot_scores, cand, n_cand, num_c2):
-  hs = cand.shape[0]
-  j = jnp.arange(cand.shape[1])[None, :]
-  ok = (j < n_cand[:, None]) & (cand >= 0) & (cand < num_c2)
-  cols = jnp.where(ok, cand, num_c2)
-  rows = jnp.broadcast_to(jnp.arange(hs)[:, None], cand.shape)
-  scores = jnp.zeros((hs, num_c2), jnp.float32).at[rows, cols].set(slot_scores, mode="drop")
-  is_cand = jnp.zeros((hs, num_c2), bool).at[rows, cols].set(True, mode="drop")
-  return scores, is_cand
+def _candidates(keep1, parent, n2, kvh):
+  """Non-empty level-2 clusters whose parent survived.  [Hs, C2] bool."""
+  num_c1 = keep1.shape[1]
+  par = parent[kvh]
+  ok = (par >= 0) & (par < num_c1)
+  return ok & jnp.take_along_axis(keep1, jnp.clip(par, 0, num_c1 - 1), axis=1) & (n2[kvh] > 0)
 
 
-def _level2_finish(scores, is_cand, n2, kvh, t2, n_cand, num_c1):
-  valid = is_cand & (n2[kvh] > 0)
-  scores = jnp.where(valid, scores, 0.0)
-  selected = valid & (scores > jnp.asarray(t2, jnp.float32))
-  return selected, scores, (num_c1 + n_cand).astype(jnp.int32)
+def _live_blocks(cand, block_c):
+  """Per head, the ids of the blocks of ``block_c`` level-2 rows holding a candidate,
+  first (ascending), and how many: ([Hs, nB] int32, [Hs] int32)."""
+  hs, num_c2 = cand.shape
+  nb = cm.cdiv(num_c2, block_c)
+  live = cm.pad_axis(cand, 1, nb * block_c, False).reshape(hs, nb, block_c).any(axis=2)
+  b = jnp.arange(nb, dtype=jnp.int32)
+  order = jnp.argsort(jnp.where(live, b, nb + b), axis=1).astype(jnp.int32)
+  return order, jnp.sum(live, axis=1).astype(jnp.int32)
 
 
-def _run(q, c1, n1, c2, n2, child_offsets, children, t1, t2, *, scale, vote, be, cfg,
-         prefill):
+def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
+  """-> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], n_touched [Hs])."""
+  prefill = q.ndim == 3
   hq = q.shape[0]
   hkv, num_c1, _ = c1.shape
-  num_c2 = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote)
   kvh = _kvh(hq, hkv, hs)
   # Level 1 (Eq. 2).
   if prefill:
-    s1 = lookup_prefill_scores(q, c1, n1, None, None, scale=scale, groups=hs, cfg=cfg,
-                               backend=be)
+    s1 = lookup_prefill_scores(q, c1, n1, None, scale=scale, groups=hs, cfg=cfg, backend=be)
   else:
-    s1 = _vote_rows(lookup_decode_scores(q, c1, n1, None, None, scale=scale, groups=hkv,
-                                         cfg=cfg, backend=be), vote, hq)
-  sel1 = (n1[kvh] > 0) & (s1 > jnp.asarray(t1, jnp.float32))
-  cand, n_cand = _candidates(sel1, child_offsets, children, kvh)
-  # Level 2 (Eq. 3) over each head's candidates only.
+    s1 = _vote_rows(lookup_decode_scores(q, c1, n1, None, scale=scale, groups=hkv, cfg=cfg,
+                                         backend=be), vote, hq)
+  keep1 = _survivors(s1, n1, t1, kvh)
+  cand = _candidates(keep1, parent, n2, kvh)
+  # Level 2 (Eq. 3): the same kernels, reading only rows whose parent survived.
+  mask = Level2Mask(parent, keep1.astype(jnp.int32))
   if prefill:
-    s2 = lookup_prefill_scores(q, c2, n2, cand, n_cand, scale=scale, groups=hs, cfg=cfg,
-                               backend=be)
+    blocks, n_blocks = _live_blocks(cand, prefill_block_c(cfg, c2.shape[1], q.shape[1])[0])
+    s2 = lookup_prefill_scores(q, c2, n2, mask._replace(blocks=blocks, n_blocks=n_blocks),
+                               scale=scale, groups=hs, cfg=cfg, backend=be)
   else:
-    s2 = jnp.mean(lookup_decode_scores(q, c2, n2, cand, n_cand, scale=scale, groups=hs,
-                                       cfg=cfg, backend=be), axis=1)
-  scores, is_cand = _scatter(s2, cand, n_cand, num_c2)
-  return _level2_finish(scores, is_cand, n2, kvh, t2, n_cand, num_c1)
+    s2 = jnp.mean(lookup_decode_scores(q, c2, n2, mask, scale=scale, groups=hs, cfg=cfg,
+                                       backend=be), axis=1)
+  s2 = jnp.where(cand, s2, 0.0)
+  return s2, s1, cand, (num_c1 + jnp.sum(cand, axis=1)).astype(jnp.int32)
+
+
+def _finish(s2, cand, t2):
+  return cand & (s2 > jnp.asarray(t2, jnp.float32)), s2
+
+
+def parent_major_order(parent: jax.Array) -> jax.Array:
+  """A renumbering of the level-2 clusters that puts each parent's children together.
+
+  parent [..., C2] -> order [..., C2] int32 (new cluster i is old cluster order[i]);
+  stable, so children keep their relative order.  Offline, once per index.
+  """
+  return jnp.argsort(parent, axis=-1, stable=True).astype(jnp.int32)
 
 
 def _eq1_masked(q, cent, counts, mask, scale):
@@ -171,41 +166,70 @@ def _eq1_masked(q, cent, counts, mask, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "vote"))
-def hierarchical_lookup_reference(q, c1, n1, c2, n2, child_offsets, children, t1, t2, *,
-                                  scale, vote="kv"):
-  """Plain-jnp Eq. 2-3 over dense masks.  q [Hq, T, d] or [Hq, d].
-
-  Returns (selected [Hs, C2] bool, scores [Hs, C2] f32, n_touched [Hs] int32).
-  """
+def _reference_scores(q, c1, n1, c2, n2, parent, t1, *, scale, vote):
   if q.ndim == 2:
     q = q[:, None, :]
   hq = q.shape[0]
   hkv, num_c1, _ = c1.shape
-  num_c2 = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote)
   r = hq // hs
   kvh = _kvh(hq, hkv, hs)
-  # Level 1.
   s1 = _eq1_masked(q, c1, n1, jnp.ones((hq, num_c1), bool), scale)      # [Hq, C1]
   s1 = jnp.mean(s1.reshape(hs, r, num_c1), axis=1)
-  sel1 = (n1[kvh] > 0) & (s1 > t1)                                       # [Hs, C1]
-  # Parent of each level-2 cluster from the CSR ranges (-1 if in no range).
-  i = jnp.arange(num_c2)
-  rng_of = jax.vmap(lambda o: jnp.searchsorted(o, i, side="right", method="scan_unrolled") - 1)(child_offsets)
-  in_rng = (rng_of >= 0) & (rng_of < num_c1)
-  parent = jnp.full((hkv, num_c2), -1, jnp.int32).at[
-      jnp.arange(hkv)[:, None], children].set(jnp.where(in_rng, rng_of, -1).astype(jnp.int32),
-                                              mode="drop")
-  par = parent[kvh]                                                      # [Hs, C2]
-  is_cand = (par >= 0) & jnp.take_along_axis(sel1, jnp.maximum(par, 0), axis=1)
-  # Level 2, denominators over each selection head's candidates.
-  s2 = _eq1_masked(q, c2, n2, jnp.repeat(is_cand, r, axis=0), scale)
-  s2 = jnp.mean(s2.reshape(hs, r, num_c2), axis=1)
-  n_cand = jnp.sum(is_cand, axis=1)
-  return _level2_finish(s2, is_cand, n2, kvh, t2, n_cand, num_c1)
+  cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)     # [Hs, C2]
+  s2 = _eq1_masked(q, c2, n2, jnp.repeat(cand, r, axis=0), scale)     # denominators: candidates
+  s2 = jnp.mean(s2.reshape(hs, r, -1), axis=1)
+  return s2, s1, cand, (num_c1 + jnp.sum(cand, axis=1)).astype(jnp.int32)
+
+
+def hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, *, scale, vote="kv"):
+  """Plain-jnp Eq. 2-3 over dense masks.  q [Hq, T, d] or [Hq, d].
+
+  Returns (selected [Hs, C2] bool, scores [Hs, C2] f32, n_touched [Hs] int32).
+  """
+  s2, _, cand, touched = _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote)
+  return (*_finish(s2, cand, t2), touched)
 
 
 _STATIC = ("scale", "vote", "backend", "config")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def hierarchical_scores(
+    q: jax.Array,        # [Hq, T, d] (prefill: scores averaged over T) or [Hq, d] (decode)
+    c1: jax.Array,       # [Hkv, C1, d] level-1 centroids
+    n1: jax.Array,       # [Hkv, C1] int32 keys under each level-1 cluster
+    c2: jax.Array,       # [Hkv, C2, d] level-2 centroids
+    n2: jax.Array,       # [Hkv, C2] int32 keys in each level-2 cluster
+    parent: jax.Array,   # [Hkv, C2] int32 level-1 parent of each level-2 cluster
+    t1: jax.Array,       # [] f32 level-1 threshold
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: CentroidLookupConfig | None = None,
+):
+  """Eq. 2-3 scores before the level-2 threshold.
+
+  Returns (s2 [Hs, C2] f32 Eq. 3 scores (0 off the candidates), s1 [Hs, C1] f32 Eq. 2
+  scores, candidates [Hs, C2] bool, n_touched [Hs] int32).
+  """
+  _validate(q, c1, n1, c2, n2, parent, t1, vote, (2, 3))
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote)
+  cfg = config or (DEFAULT_PREFILL if q.ndim == 3 else CentroidLookupConfig())
+  return _run(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, be=be, cfg=cfg)
+
+
+def _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, rank):
+  _validate(q, c1, n1, c2, n2, parent, t1, vote, (rank,))
+  if jnp.ndim(t2) != 0:
+    raise ValueError(f"t2 must be a scalar, got shape {jnp.shape(t2)}")
+  s2, _, cand, touched = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote,
+                                             backend=backend, config=config)
+  return (*_finish(s2, cand, t2), touched)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -215,8 +239,7 @@ def hierarchical_lookup_prefill(
     n1: jax.Array,             # [Hkv, C1] int32 keys under each level-1 cluster
     c2: jax.Array,             # [Hkv, C2, d] level-2 centroids
     n2: jax.Array,             # [Hkv, C2] int32 keys in each level-2 cluster
-    child_offsets: jax.Array,  # [Hkv, C1 + 1] int32 CSR offsets into children
-    children: jax.Array,       # [Hkv, C2] int32 level-2 ids grouped by parent
+    parent: jax.Array,         # [Hkv, C2] int32 level-1 parent of each level-2 cluster
     t1: jax.Array,             # [] f32 level-1 threshold
     t2: jax.Array,             # [] f32 level-2 threshold
     *,
@@ -230,21 +253,14 @@ def hierarchical_lookup_prefill(
   Returns (selected [Hs, C2] bool, scores [Hs, C2] f32 (0 for non-candidates),
   n_touched [Hs] int32 = C1 + number of level-2 candidates).
   """
-  _validate(q, c1, n1, c2, n2, child_offsets, children, t1, t2, vote, 3)
-  scale = cm.check_scale(scale)
-  be = resolve_backend(backend)
-  if be == "reference":
-    return hierarchical_lookup_reference(q, c1, n1, c2, n2, child_offsets, children, t1, t2,
-                                         scale=scale, vote=vote)
-  return _run(q, c1, n1, c2, n2, child_offsets, children, t1, t2, scale=scale, vote=vote,
-              be=be, cfg=config or DEFAULT_PREFILL, prefill=True)
+  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 3)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def hierarchical_lookup_decode(
     q: jax.Array,              # [Hq, d]
-    c1: jax.Array, n1: jax.Array, c2: jax.Array, n2: jax.Array,
-    child_offsets: jax.Array, children: jax.Array, t1: jax.Array, t2: jax.Array,
+    c1: jax.Array, n1: jax.Array, c2: jax.Array, n2: jax.Array, parent: jax.Array,
+    t1: jax.Array, t2: jax.Array,
     *,
     scale: float,
     vote: str = "kv",
@@ -252,11 +268,4 @@ def hierarchical_lookup_decode(
     config: CentroidLookupConfig | None = None,
 ):
   """Hierarchical lookup for one query token; same outputs as the prefill variant."""
-  _validate(q, c1, n1, c2, n2, child_offsets, children, t1, t2, vote, 2)
-  scale = cm.check_scale(scale)
-  be = resolve_backend(backend)
-  if be == "reference":
-    return hierarchical_lookup_reference(q, c1, n1, c2, n2, child_offsets, children, t1, t2,
-                                         scale=scale, vote=vote)
-  return _run(q, c1, n1, c2, n2, child_offsets, children, t1, t2, scale=scale, vote=vote,
-              be=be, cfg=config or CentroidLookupConfig(), prefill=False)
+  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 2)

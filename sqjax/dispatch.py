@@ -60,6 +60,23 @@ def cluster_scores(q, centroids, counts, scale: float, vote: str):
     return s
 
 
+def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale: float, vote: str):
+    """Eq. 2-3 through the hierarchical lookup kernels, or None to use the jnp path.
+
+    -> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], centroids read [Hs]) as
+    `squeezed.HierarchicalScores` holds them.
+    """
+    b = resolved()
+    if b == "reference":
+        return None
+    from pallas_kernels import hierarchical_scores as kernel
+
+    dt = q.dtype  # the index stores centroids in the keys' dtype; no-op then
+    q = q[:, 0] if q.shape[1] == 1 else q
+    return kernel(q, centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
+                  jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b)
+
+
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):
     """Exact attention over a selection of the fixed context + the causal user input.
 

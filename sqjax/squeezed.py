@@ -149,6 +149,12 @@ def hierarchical_scores(
     _check_lookup_inputs(q, centroids2, counts2)
     check_rank("parent", parent, 2, "[Hkv, C2]")
     check_same("level-2 clusters", [("centroids2", centroids2.shape[1]), ("parent", parent.shape[1])])
+    if q_valid is None:  # the kernels average over every token
+        from sqjax import dispatch
+
+        h = dispatch.hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale, vote)
+        if h is not None:
+            return HierarchicalScores(*h)
     hq, hkv = q.shape[0], centroids2.shape[0]
     g = hq // hkv
     s1 = cluster_scores(q, centroids1, counts1, scale, vote, q_valid)  # [Hs, C1]
@@ -390,6 +396,19 @@ class SqueezedIndex:
         return jax.tree.map(lambda a: a[i], self.layers)
 
 
+def parent_major(centroids, counts, labels, parent):
+    """Renumber the level-2 clusters parent by parent (stable): each level-1 cluster's children
+    become one contiguous run of rows, so the level-2 lookup kernel skips whole blocks of a
+    dropped parent.  centroids [..., C2, d], counts/parent [..., C2], labels [..., Lc] -> same."""
+    from pallas_kernels import parent_major_order
+
+    order = parent_major_order(parent)                          # new id i = old id order[i]
+    new_id = jnp.argsort(order, axis=-1).astype(jnp.int32)      # old id -> new id
+    take = lambda x: jnp.take_along_axis(x, order, axis=-1)     # noqa: E731
+    return (jnp.take_along_axis(centroids, order[..., None], axis=-2), take(counts),
+            jnp.take_along_axis(new_id, labels, axis=-1), take(parent))
+
+
 def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerIndex:
     """Cluster every layer's clustered keys.  k [Lyr, Hkv, L, d] (roped) -> stacked layer index."""
     from sqjax.kmeans import KMeansConfig, cluster_level_up, spherical_kmeans
@@ -413,18 +432,20 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
         keys = k[start:start + group, :, cfg.n_sink:cfg.n_sink + lc]
         km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start,
                                                   init=cfg.kmeans_init))
-        perm, offsets = cluster_layout(km.labels, c2)
         g = keys.shape[0]
+        centroids, counts, labels = km.centroids, km.counts, km.labels
         if c1:
             parent, cent1, cnt1 = cluster_level_up(
-                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init)
+                centroids, counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init)
             )
+            centroids, counts, labels, parent = parent_major(centroids, counts, labels, parent)
         else:
             parent = jnp.zeros((g, hkv, c2), jnp.int32)
             cent1 = jnp.zeros((g, hkv, 0, d), jnp.float32)
             cnt1 = jnp.zeros((g, hkv, 0), jnp.int32)
+        perm, offsets = cluster_layout(labels, c2)
         # centroids are stored in the keys' dtype (bf16 keys -> bf16 centroids: half the lookup bytes)
-        out.append(SqueezedLayerIndex(km.centroids.astype(k.dtype), km.counts, km.labels, perm, offsets,
+        out.append(SqueezedLayerIndex(centroids.astype(k.dtype), counts, labels, perm, offsets,
                                       cent1.astype(k.dtype), cnt1, parent))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *out)
 

@@ -9,7 +9,7 @@ from sqjax import squeezed
 from sqjax.attention import dense_attention, fixed_context_attention
 from sqjax.calibration import global_threshold, key_scores
 from sqjax.squeezed import (
-    SqueezedConfig, build_squeezed_index, cluster_layout, cluster_scores, hierarchical_scores, lookup,
+    SqueezedConfig, build_squeezed_index, cluster_fixed_context, cluster_layout, cluster_scores, hierarchical_scores, lookup,
     retrieval_mask, retrieve,
 )
 
@@ -96,6 +96,51 @@ def test_hierarchical_with_zero_level1_threshold_is_one_level(rng):
     h = hierarchical_scores(q, li.centroids1, li.counts1, li.centroids, li.counts, li.parent, 0.0, 0.25)
     one = cluster_scores(q, li.centroids, li.counts, 0.25)
     np.testing.assert_allclose(np.asarray(h.scores), np.asarray(one), rtol=1e-5, atol=1e-8)
+
+
+def test_hierarchical_index_is_parent_major_and_consistent(rng):
+    """The built 2-level index numbers level-2 clusters parent by parent; labels, counts,
+    perm/offsets and level-1 counts all describe the same clusters after the renumbering."""
+    hkv, length, d = 2, 1200, 16
+    k = jnp.asarray(rng.normal(size=(1, hkv, length, d)).astype(np.float32))
+    cfg = SqueezedConfig(hierarchical=True, centroid_fraction=0.05, level1_fraction=0.01, n_obs=40)
+    li = jax.tree.map(lambda a: np.asarray(a[0]), cluster_fixed_context(k, cfg))
+    c2 = li.centroids.shape[1]
+    for h in range(hkv):
+        assert (np.diff(li.parent[h]) >= 0).all()
+        np.testing.assert_array_equal(np.bincount(li.labels[h], minlength=c2), li.counts[h])
+        np.testing.assert_array_equal(np.bincount(li.parent[h], weights=li.counts[h], minlength=li.counts1.shape[1]),
+                                      li.counts1[h])
+        for c in range(c2):  # perm/offsets: the keys labelled c
+            got = np.sort(li.perm[h, li.offsets[h, c]:li.offsets[h, c + 1]])
+            np.testing.assert_array_equal(got, np.flatnonzero(li.labels[h] == c))
+            if li.counts[h, c]:  # a centroid is the mean of its (renumbered) keys
+                mean = np.asarray(k[0, h, :length - cfg.n_obs])[li.labels[h] == c].mean(0)
+                np.testing.assert_allclose(li.centroids[h, c], mean, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+@pytest.mark.parametrize("n_tokens", [1, 6])
+def test_hierarchical_kernel_dispatch_equals_jnp(rng, vote, n_tokens):
+    """On a Pallas backend (here the interpreter) `hierarchical_scores` runs the hierarchical
+    lookup kernels; scores, level-1 scores, candidates and centroids read equal the jnp path's."""
+    from sqjax import dispatch
+
+    hkv, hq, length, d = 2, 4, 1500, 16
+    k = jnp.asarray(rng.normal(size=(1, hkv, length, d)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(1, hq, 64, d)).astype(np.float32))
+    cfg = SqueezedConfig(hierarchical=True, centroid_fraction=0.05, level1_fraction=0.01, n_obs=64, vote=vote)
+    idx, _ = build_squeezed_index(k, q_obs, cfg, 0.25)
+    li = idx.layer(0)
+    q = jnp.asarray(rng.normal(size=(hq, n_tokens, d)).astype(np.float32))
+    args = (q, li.centroids1, li.counts1, li.centroids, li.counts, li.parent, idx.threshold1, 0.25, vote)
+    with dispatch.using("interpret"):
+        got = hierarchical_scores(*args)
+    with dispatch.using("reference"):
+        want = hierarchical_scores(*args)
+    assert 0 < int(np.asarray(want.survivors).sum()) < np.asarray(want.survivors).size  # level 1 prunes
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=3e-5, atol=1e-8)
 
 
 def np_retrieve(selected, scores, counts, labels, n_tail, capacity):

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels.centroid_lookup import CentroidLookupConfig, centroid_lookup_reference
-from pallas_kernels.hierarchical_lookup import (children_csr, hierarchical_lookup_decode,
-                                                hierarchical_lookup_prefill,
-                                                hierarchical_lookup_reference)
+from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
+                                                hierarchical_lookup_reference, hierarchical_scores,
+                                                parent_major_order)
 
 def _eq1_rows(qh, cent, counts, allowed, scale):
   """Mean over tokens of Eq. 1 for one query head; qh [T, d]; allowed: set of ids."""
@@ -43,19 +43,23 @@ def brute_hierarchical(q, c1, n1, c2, n2, parent, t1, t2, scale, vote):
   for s, heads in enumerate(groups):
     kv = heads[0] // g
     s1 = np.mean([_eq1_rows(q[h], c1[kv], n1[kv], set(range(num_c1)), scale) for h in heads], 0)
-    surv = {p for p in range(num_c1) if n1[kv, p] > 0 and s1[p] > t1}
-    cand = {l for l in range(num_c2) if parent[kv, l] in surv}
+    surv = {p for p in range(num_c1) if n1[kv, p] > 0 and s1[p] >= t1}
+    cand = {l for l in range(num_c2) if parent[kv, l] in surv and n2[kv, l] > 0}
     s2 = np.mean([_eq1_rows(q[h], c2[kv], n2[kv], cand, scale) for h in heads], 0)
     scores[s] = s2
-    sel[s] = (s2 > t2) & np.isin(np.arange(num_c2), list(cand)) & (n2[kv] > 0)
+    sel[s] = (s2 > t2) & np.isin(np.arange(num_c2), list(cand))
     touched[s] = num_c1 + len(cand)
   return sel, scores, touched
 
 
-def make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype):
+def make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype, parent_major=False):
+  """Random two-level tree; ``parent_major``: level-2 ids numbered parent by parent (the
+  library's layout, where whole blocks are skipped), else in random order."""
   q = rng.normal(size=(hq, seq_len, d)) * 1.5
   c2 = rng.normal(size=(hkv, num_c2, d))
   parent = rng.integers(0, num_c1, size=(hkv, num_c2))
+  if parent_major:
+    parent = np.sort(parent, axis=1)
   c1 = np.stack([np.stack([c2[h, parent[h] == p].mean(0) if (parent[h] == p).any()
                            else np.zeros(d) for p in range(num_c1)]) for h in range(hkv)])
   n2 = rng.integers(1, 20, size=(hkv, num_c2))
@@ -78,25 +82,25 @@ def thresholds(q, c1, n1, vote, scale):
   return np.float32(t1), np.float32(0.5 / c1.shape[1] / 4)
 
 
-CASES = [  # hq, hkv, T, C1, C2, d, dtype, vote, prefill
-    (8, 2, 21, 13, 90, 64, jnp.float32, "kv", True),
-    (8, 2, 21, 13, 90, 64, jnp.bfloat16, "q", True),
-    (8, 2, 1, 13, 90, 64, jnp.float32, "q", False),
-    (4, 4, 6, 7, 40, 128, jnp.bfloat16, "kv", False),
+CASES = [  # hq, hkv, T, C1, C2, d, dtype, vote, prefill, parent-major level 2
+    (8, 2, 21, 13, 90, 64, jnp.float32, "kv", True, False),
+    (8, 2, 21, 13, 90, 64, jnp.bfloat16, "q", True, True),
+    (8, 2, 1, 13, 90, 64, jnp.float32, "q", False, False),
+    (4, 4, 6, 7, 40, 128, jnp.bfloat16, "kv", False, True),
+    (4, 1, 37, 9, 133, 48, jnp.float32, "kv", True, True),
 ]
 
 
-@pytest.mark.parametrize("hq,hkv,seq_len,num_c1,num_c2,d,dtype,vote,prefill", CASES)
+@pytest.mark.parametrize("hq,hkv,seq_len,num_c1,num_c2,d,dtype,vote,prefill,major", CASES)
 def test_interpret_matches_reference(rng, prefill, hq, hkv, seq_len, num_c1, num_c2, d, dtype,
-                                     vote):
-  q, c1, n1, c2, n2, parent = make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype)
+                                     vote, major):
+  q, c1, n1, c2, n2, parent = make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype, major)
   if not prefill:
     q = q[:, 0]
-  off, ch = children_csr(parent, num_c1)
   scale = d ** -0.5
   t1, t2 = thresholds(q, c1, n1, vote, scale)
   f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
-  args = (q, c1, n1, c2, n2, off, ch, t1, t2)
+  args = (q, c1, n1, c2, n2, parent, t1, t2)
   sel, sc, nt = f(*args, scale=scale, vote=vote, backend="interpret",
                   config=CentroidLookupConfig(block_c=16, block_t=16))
   rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
@@ -114,9 +118,8 @@ def test_interpret_matches_reference(rng, prefill, hq, hkv, seq_len, num_c1, num
 @pytest.mark.parametrize("vote", ["kv", "q"])
 def test_reference_matches_bruteforce(rng, vote):
   q, c1, n1, c2, n2, parent = make_inputs(rng, 6, 2, 5, 6, 30, 16, jnp.float32)
-  off, ch = children_csr(parent, 6)
   t1, t2 = thresholds(q, c1, n1, vote, 0.3)
-  sel, sc, nt = hierarchical_lookup_reference(q, c1, n1, c2, n2, off, ch, t1, t2, scale=0.3,
+  sel, sc, nt = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.3,
                                               vote=vote)
   bsel, bsc, bnt = brute_hierarchical(q, c1, n1, c2, n2, parent, t1, t2, 0.3, vote)
   np.testing.assert_array_equal(nt, bnt)
@@ -128,34 +131,61 @@ def test_reference_matches_bruteforce(rng, vote):
 def test_no_pruning_equals_one_level_lookup(rng):
   """T1 below every score: Eq. 3 over all level-2 clusters is Eq. 1."""
   q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 4, 5, 50, 32, jnp.float32)
-  off, ch = children_csr(parent, 5)
   for backend in ("interpret", "reference"):
-    sel, sc, nt = hierarchical_lookup_prefill(q, c1, n1, c2, n2, off, ch, -1.0, 0.01, scale=0.2,
+    sel, sc, nt = hierarchical_lookup_prefill(q, c1, n1, c2, n2, parent, -1.0, 0.01, scale=0.2,
                                               backend=backend)
     _, osc = centroid_lookup_reference(q, c2, n2, 0.01, scale=0.2)
     np.testing.assert_allclose(sc, osc, rtol=3e-5, atol=1e-8)
-    np.testing.assert_array_equal(nt, 5 + 50)
+    np.testing.assert_array_equal(nt, 5 + np.sum(np.asarray(n2) > 0, axis=1))   # empty: not read
 
 
 def test_everything_pruned(rng):
   q, c1, n1, c2, n2, parent = make_inputs(rng, 4, 2, 3, 4, 20, 16, jnp.float32)
-  off, ch = children_csr(parent, 4)
   for backend in ("interpret", "reference"):
-    sel, sc, nt = hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, off, ch, 2.0, -1.0,
+    sel, sc, nt = hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, 2.0, -1.0,
                                              scale=0.2, backend=backend)
     assert not np.asarray(sel).any()
     np.testing.assert_array_equal(sc, 0.0)
     np.testing.assert_array_equal(nt, 4)
 
 
-def test_children_csr(rng):
-  parent = jnp.asarray(rng.integers(-1, 6, size=(2, 25)), jnp.int32)   # -1: orphan
-  off, ch = children_csr(parent, 5)                                    # 5: orphan too
-  off, ch, parent = map(np.asarray, (off, ch, parent))
-  for h in range(2):
-    assert sorted(ch[h].tolist()) == list(range(25))
-    for p in range(5):
-      assert sorted(ch[h, off[h, p]:off[h, p + 1]].tolist()) == np.flatnonzero(parent[h] == p).tolist()
+@pytest.mark.parametrize("prefill", [True, False])
+def test_parent_major_numbering_gives_the_same_selection(rng, prefill):
+  """Renumbering level 2 parent by parent (whole dead blocks, skipped) permutes the outputs
+  and nothing else; orphans (parent -1 or >= C1) are never candidates."""
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 7, 6, 150, 32, jnp.float32)
+  parent = parent.at[0, :5].set(-1).at[1, 7:9].set(6)       # orphans
+  if not prefill:
+    q = q[:, 0]
+  t1, t2 = thresholds(q, c1, n1, "kv", 0.2)
+  cfg = CentroidLookupConfig(block_c=16, block_t=16)
+  f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
+  sel, sc, nt = f(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret", config=cfg)
+  order = parent_major_order(parent)
+  take = lambda x: jnp.take_along_axis(x, order[..., None] if x.ndim == 3 else order, axis=1)  # noqa: E731
+  pm = [take(x) for x in (c2, n2, parent)]
+  assert (np.diff(np.asarray(pm[2]), axis=1) >= 0).all()
+  psel, psc, pnt = f(q, c1, n1, *pm, t1, t2, scale=0.2, backend="interpret", config=cfg)
+  np.testing.assert_array_equal(pnt, nt)
+  np.testing.assert_allclose(psc, take(sc), rtol=3e-5, atol=1e-8)
+  np.testing.assert_array_equal(psel, take(sel))
+  _, rsc, rnt = hierarchical_lookup_reference(q, c1, n1, *pm, t1, t2, scale=0.2)
+  np.testing.assert_allclose(psc, rsc, rtol=3e-5, atol=1e-8)
+  np.testing.assert_array_equal(pnt, rnt)
+  assert not np.asarray(sc)[0, :5].any() and not np.asarray(sc)[1, 7:9].any()
+
+
+def test_scores_expose_both_levels(rng):
+  """``hierarchical_scores`` (what sqjax dispatches to) returns Eq. 2 scores and the
+  candidate mask as the reference does."""
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 6, 3, 4, 5, 40, 16, jnp.float32, parent_major=True)
+  t1, _ = thresholds(q, c1, n1, "q", 0.3)
+  got = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=0.3, vote="q", backend="interpret",
+                            config=CentroidLookupConfig(block_c=16, block_t=16))
+  ref = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=0.3, vote="q", backend="reference")
+  for a, b in zip(got, ref):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=3e-5, atol=1e-8)
 
 
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -166,9 +196,8 @@ def test_property_random_shapes(hkv, g, seq_len, num_c1, num_c2, vote, seed):
   rng = np.random.default_rng(seed)
   q, c1, n1, c2, n2, parent = make_inputs(rng, hkv * g, hkv, seq_len, num_c1, num_c2, 16,
                                           jnp.float32)
-  off, ch = children_csr(parent, num_c1)
   t1 = np.float32(0.5 / num_c1 / 10)
-  args = (q, c1, n1, c2, n2, off, ch, t1, np.float32(0.0))
+  args = (q, c1, n1, c2, n2, parent, t1, np.float32(0.0))
   _, sc, nt = hierarchical_lookup_prefill(*args, scale=0.2, vote=vote, backend="interpret")
   _, rsc, rnt = hierarchical_lookup_reference(*args, scale=0.2, vote=vote)
   np.testing.assert_array_equal(nt, rnt)
@@ -177,13 +206,12 @@ def test_property_random_shapes(hkv, g, seq_len, num_c1, num_c2, vote, seed):
 
 def test_validation_errors(rng):
   q, c1, n1, c2, n2, parent = make_inputs(rng, 4, 2, 3, 4, 20, 16, jnp.float32)
-  off, ch = children_csr(parent, 4)
-  with pytest.raises(ValueError, match="child_offsets"):
-    hierarchical_lookup_prefill(q, c1, n1, c2, n2, off[:, :4], ch, 0.0, 0.0, scale=1.0)
+  with pytest.raises(ValueError, match=r"parent \[Hkv, C2\].*parent\(2, 19\)"):
+    hierarchical_lookup_prefill(q, c1, n1, c2, n2, parent[:, :19], 0.0, 0.0, scale=1.0)
   with pytest.raises(ValueError, match="q must be"):
-    hierarchical_lookup_decode(q, c1, n1, c2, n2, off, ch, 0.0, 0.0, scale=1.0)
+    hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, 0.0, 0.0, scale=1.0)
   with pytest.raises(ValueError, match="t2"):
-    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, off, ch, 0.0, jnp.zeros(3), scale=1.0)
+    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, 0.0, jnp.zeros(3), scale=1.0)
   with pytest.raises(ValueError, match="int32"):
-    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, off, ch.astype(jnp.float32), 0.0, 0.0,
+    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent.astype(jnp.float32), 0.0, 0.0,
                                scale=1.0)

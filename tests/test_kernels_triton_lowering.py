@@ -62,11 +62,11 @@ def test_sparse_attention_lowers(seq_len, hs):
 @pytest.mark.parametrize("vote", ["kv", "q"])
 def test_hierarchical_lookup_lowers(vote):
   args = (sds((HKV, 41, D)), sds((HKV, 41), jnp.int32), sds((HKV, 205, D)),
-          sds((HKV, 205), jnp.int32), sds((HKV, 42), jnp.int32), sds((HKV, 205), jnp.int32))
+          sds((HKV, 205), jnp.int32), sds((HKV, 205), jnp.int32))
   for q, fn in ((sds((HQ, 100, D)), hierarchical_lookup_prefill),
                 (sds((HQ, D)), hierarchical_lookup_decode)):
-    lower(lambda q, *a: fn(q, *a, jnp.float32(0.01), jnp.float32(0.01), scale=D ** -0.5,
-                           vote=vote, backend="pallas"), q, *args)
+    lower(lambda q, *a, fn=fn: fn(q, *a, jnp.float32(0.01), jnp.float32(0.01), scale=D ** -0.5,
+                                  vote=vote, backend="pallas"), q, *args)
 
 
 def test_quest_lowers():
