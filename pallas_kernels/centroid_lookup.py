@@ -111,13 +111,14 @@ class Level2Mask(NamedTuple):
   n_blocks: jax.Array | None = None  # [G] int32 live blocks per group
 
 
-def _load_centroid_block(c_ref, n_ref, lvl, *, grp, kv, j, num_c, num_p, d):
+def _load_centroid_block(c_ref, n_ref, lvl, *, grp, kv, j, num_c, num_p, d, live=None):
   """Rows ``j`` of KV head ``kv`` for group ``grp``: (validity, counts, rows).
 
   ``lvl`` = (parent_ref [Hkv * C], keep_ref [G * P]) or None: with it, a row is valid
   only where its parent was kept for the group (masked loads: no traffic otherwise).
+  ``live`` [Bc] bool: rows already known to be live (then ``lvl`` is None).
   """
-  cv = j < num_c
+  cv = j < num_c if live is None else live
   row = kv * num_c + j
   if lvl is not None:
     parent_ref, keep_ref = lvl
@@ -130,20 +131,66 @@ def _load_centroid_block(c_ref, n_ref, lvl, *, grp, kv, j, num_c, num_p, d):
   return valid, cnt.astype(jnp.float32), c
 
 
+def _level2_live_from_stats(refs, *, kv, h, hv, j, cv, num_c, num_p, group, r, nb1, nb1p, bc1):
+  """Level-2 rows whose parent survives level 1, computed from the level-1 decode
+  kernel's raw outputs (no level-1 pass over HBM-sized tensors in between).
+
+  refs = (parent [Hkv * C2], n1 [Hkv * C1], e1 [Hkv * nB1 * g * Bc1], m1, l1
+  [Hkv * nB1 * g], t1 [1]); h [rp] query heads of the group (hv: real ones).
+  S1 = mean over the group's heads of e1 exp(m1_b - M) / D (Eq. 2); kept: S1 >= T1.
+  """
+  parent_ref, n1_ref, e1_ref, m1_ref, l1_ref, t1_ref = refs
+  row1 = cm.krem(h, group)                                        # [rp] row in the level-1 group
+  # the level-1 softmax statistics of each head: M = max_b m_b, D = sum_b l_b exp(m_b - M)
+  b1 = jnp.arange(nb1p, dtype=jnp.int32)
+  bm = (b1[:, None] < nb1) & hv[None, :]
+  bi = jnp.where(bm, (kv * nb1 + b1[:, None]) * group + row1[None, :], 0)
+  m1 = plgpu.load(m1_ref.at[bi], mask=bm, other=cm.MASK_VALUE)    # [nB1p, rp]
+  l1 = plgpu.load(l1_ref.at[bi], mask=bm, other=0.0)
+  mx = jnp.max(m1, axis=0)                                        # [rp]
+  den = jnp.sum(l1 * jnp.exp(m1 - mx[None, :]), axis=0)
+  inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+  # each row's parent: its level-1 score
+  par = cm.gather_vec(parent_ref, kv * num_c + j, cv, other=-1)  # [Bc]
+  pv = cv & (par >= 0) & (par < num_p)
+  pc = jnp.where(pv, par, 0)
+  blk = (kv * nb1 + cm.kdiv(pc, bc1))[None, :] * group + row1[:, None]   # [rp, Bc]
+  em = hv[:, None] & pv[None, :]
+  blk = jnp.where(em, blk, 0)
+  e1 = plgpu.load(e1_ref.at[blk * bc1 + cm.krem(pc, bc1)[None, :]], mask=em, other=0.0)
+  mb = plgpu.load(m1_ref.at[blk], mask=em, other=0.0)
+  w = jnp.where(em, jnp.exp(mb - mx[:, None]) * inv[:, None], 0.0)  # padding rows: M = MASK
+  s1 = jnp.sum(e1 * w, axis=0) * (1.0 / r)                      # [Bc]
+  n1 = cm.gather_vec(n1_ref, kv * num_p + pc, pv, other=0)
+  return pv & (n1 > 0) & (s1 >= t1_ref[0])
+
+
 def _decode_kernel(q_ref,      # [Hq, d]
                    c_ref,      # [Hkv * C, d]
                    n_ref,      # [Hkv * C] int32
-                   *refs,      # (parent [Hkv * C], keep [G * P])?, e, m, l
-                   scale, num_c, group, r, rp, block_c, d, num_p):
-  lvl, (e_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if num_p else (None, refs)
+                   *refs,      # level-2 inputs (see below)?, e, m, l (, live)
+                   scale, num_c, group, r, rp, block_c, d, num_p, level1=None):
+  """level1 None: ``refs`` = (parent, keep)? + outputs; level1 = (nB1, nB1p, Bc1):
+  refs = the six ``_level2_live_from_stats`` inputs + e, m, l, live [G, nB * Bc]."""
   grp = pl.program_id(0)
   cb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   hr = jnp.arange(rp, dtype=jnp.int32)
   q = cm.gather_rows(q_ref, grp * r + hr, d, hr < r)              # [rp, d]
   j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  valid, cnt, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
-                                       num_p=num_p, d=d)
+  live_ref = None
+  if level1 is not None:
+    nb1, nb1p, bc1 = level1
+    e_ref, m_ref, l_ref, live_ref = refs[6:]
+    cv = _level2_live_from_stats(refs[:6], kv=kv, h=grp * r + hr, hv=hr < r, j=j, cv=j < num_c,
+                                 num_c=num_c, num_p=num_p, group=group, r=r, nb1=nb1, nb1p=nb1p,
+                                 bc1=bc1)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, None, grp=grp, kv=kv, j=j, num_c=num_c,
+                                         num_p=0, d=d, live=cv)
+  else:
+    lvl, (e_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if num_p else (None, refs)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
+                                         num_p=num_p, d=d)
   s = plgpu.dot(q, c, trans_b=True) * scale                       # [rp, Bc] f32
   s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
   m = jnp.max(s, axis=1)                                          # [rp]
@@ -154,6 +201,8 @@ def _decode_kernel(q_ref,      # [Hq, d]
   plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=live[:, None])
   plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=live)
   plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=live)
+  if live_ref is not None:
+    live_ref[grp, pl.ds(cb * block_c, block_c)] = valid.astype(jnp.int32)
 
 
 def _stats_kernel(q_ref,      # [Hq * T, d]
@@ -262,13 +311,21 @@ def _mask_args(mask: Level2Mask | None) -> tuple[list, int]:
   return [mask.parent.reshape(-1), mask.keep.astype(jnp.int32).reshape(-1)], mask.keep.shape[1]
 
 
-def lookup_decode_scores(q, centroids, counts, mask, *, scale, groups, cfg, backend):
-  """Per-head Eq. 1 scores, one query token; grid (group x centroid block).
+class Level1Raw(NamedTuple):
+  """The level-1 decode kernel's raw outputs (``lookup_decode_raw`` over the level-1
+  centroids with one group per KV head), from which the level-2 decode kernel decides
+  itself which rows are live: Eq. 2 with the group vote and ``S1 >= T1``."""
+  e: jax.Array        # [Hkv, nB1, g, Bc1] f32 exp(s q.C1 - m_b)
+  m: jax.Array        # [Hkv, nB1, g] f32 block maxima
+  l: jax.Array        # [Hkv, nB1, g] f32 block denominators
+  counts: jax.Array   # [Hkv, C1] int32 N1
+  parent: jax.Array   # [Hkv, C2] int32 level-1 parent of each level-2 centroid
+  t1: jax.Array       # [] f32
 
-  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32; mask: ``Level2Mask`` or None
-  (the denominator of a head sums over its group's live centroids only).
-  Returns S [G, R, C] f32 (R = Hq // G); 0 where not live.
-  """
+
+def lookup_decode_raw(q, centroids, counts, mask, *, scale, groups, cfg, backend):
+  """The decode kernel: (e [G, nB, R, Bc], m [G, nB, R], l [G, nB, R], live [G, nB * Bc]
+  int32 or None).  ``mask``: None, a ``Level2Mask`` or a ``Level1Raw``."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
@@ -277,21 +334,35 @@ def lookup_decode_scores(q, centroids, counts, mask, *, scale, groups, cfg, back
   block_c = min(cfg.block_c, max(16, cm.next_pow2(num_c)))
   nb = cm.cdiv(num_c, block_c)
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
-  extra, num_p = _mask_args(mask)
+  outs = [
+      jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
+      jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
+      jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
+  ]
+  level1 = None
+  if isinstance(mask, Level1Raw):
+    nb1, bc1 = mask.e.shape[1], mask.e.shape[3]
+    level1 = (nb1, max(16, cm.next_pow2(nb1)), bc1)
+    num_p = mask.counts.shape[1]
+    extra = [mask.parent.reshape(-1), mask.counts.reshape(-1), mask.e.reshape(-1),
+             mask.m.reshape(-1), mask.l.reshape(-1), jnp.asarray(mask.t1, jnp.float32).reshape(1)]
+    outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
+  else:
+    extra, num_p = _mask_args(mask)
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-      block_c=block_c, d=dp, num_p=num_p)
-  e, m, l = pallas_call(
+      block_c=block_c, d=dp, num_p=num_p, level1=level1)
+  res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(groups, nb),
-      out_shape=[
-          jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
-          jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
-          jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
-      ],
+      grid=(groups, nb), out_shape=outs,
       name="centroid_lookup_decode" if mask is None else "centroid_lookup_decode_level2",
   )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
-  # Second, cheap reduction across centroid blocks (fused by XLA).
+  return (*res, None) if len(res) == 3 else tuple(res)
+
+
+def decode_scores_from_raw(e, m, l, num_c):
+  """Second, cheap reduction across centroid blocks (fused by XLA): S [G, R, C]."""
+  groups, nb, r, block_c = e.shape
   mx = jnp.max(m, axis=1, keepdims=True)                          # [G, 1, r]
   w = jnp.exp(m - mx)                                             # [G, nB, r]
   den = jnp.sum(l * w, axis=1, keepdims=True)                     # D
@@ -299,6 +370,18 @@ def lookup_decode_scores(q, centroids, counts, mask, *, scale, groups, cfg, back
   s = e * f[..., None]                                            # [G, nB, r, Bc]
   s = jnp.transpose(s, (0, 2, 1, 3)).reshape(groups, r, nb * block_c)
   return s[:, :, :num_c]
+
+
+def lookup_decode_scores(q, centroids, counts, mask, *, scale, groups, cfg, backend):
+  """Per-head Eq. 1 scores, one query token; grid (group x centroid block).
+
+  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32; mask: ``Level2Mask`` or None
+  (the denominator of a head sums over its group's live centroids only).
+  Returns S [G, R, C] f32 (R = Hq // G); 0 where not live.
+  """
+  e, m, l, _ = lookup_decode_raw(q, centroids, counts, mask, scale=scale, groups=groups, cfg=cfg,
+                                 backend=backend)
+  return decode_scores_from_raw(e, m, l, centroids.shape[1])
 
 
 def prefill_block_c(cfg: CentroidLookupConfig, num_c: int, seq_len: int) -> tuple[int, int, int, int]:

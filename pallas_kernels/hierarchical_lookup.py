@@ -22,13 +22,16 @@ pass is fastest when level-2 clusters are numbered parent by parent (the library
 index does this: ``sqjax.squeezed.cluster_fixed_context``), because a dropped parent's
 children are then whole blocks of rows that no program loads.
 
-Kernels: the level-1 pass is the one-level lookup kernel over the level-1 centroids;
-its survivors ``keep1 [Hs, C1]`` drive the same kernels over the level-2 centroids as a
-``Level2Mask``: each program gathers the parents of its rows, loads only the rows
-whose parent survived (masked loads: no traffic for the rest), and the prefill passes
-skip blocks with no live row (the statistics pass loops over a per-head list of live
-blocks; the scoring pass's programs for dead blocks return at once).  No candidate
-list, no scatter: outputs are in level-2 order.
+Kernels: the level-1 pass is the one-level lookup kernel over the level-1 centroids.
+Decode: the level-2 kernel reads the level-1 kernel's raw block outputs and computes
+each of its rows' parent score itself (``Level1Raw``), so decode is two kernels plus
+the cheap final normalisation.  Prefill: the survivors ``keep1 [Hs, C1]`` drive the
+same two passes over the level-2 centroids as a ``Level2Mask``.  Either way each
+program gathers the parents of its rows and loads only the rows whose parent survived
+(masked loads: no traffic for the rest); the prefill passes skip blocks with no live
+row (the statistics pass loops over a per-head list of live blocks; the scoring
+pass's programs for dead blocks do no work).  No candidate list, no scatter: outputs
+are in level-2 order.
 """
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level2Mask,
-                                            lookup_decode_scores, lookup_prefill_scores,
-                                            prefill_block_c)
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw, Level2Mask,
+                                            decode_scores_from_raw, lookup_decode_raw,
+                                            lookup_prefill_scores, prefill_block_c)
 from pallas_kernels._dispatch import resolve_backend
 
 __all__ = ["hierarchical_lookup_prefill", "hierarchical_lookup_decode", "hierarchical_scores",
@@ -107,28 +110,29 @@ def _live_blocks(cand, block_c):
 
 def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
   """-> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], n_touched [Hs])."""
-  prefill = q.ndim == 3
   hq = q.shape[0]
   hkv, num_c1, _ = c1.shape
   hs = cm.num_selection_heads(hq, hkv, vote)
   kvh = _kvh(hq, hkv, hs)
-  # Level 1 (Eq. 2).
-  if prefill:
-    s1 = lookup_prefill_scores(q, c1, n1, None, scale=scale, groups=hs, cfg=cfg, backend=be)
-  else:
-    s1 = _vote_rows(lookup_decode_scores(q, c1, n1, None, scale=scale, groups=hkv, cfg=cfg,
-                                         backend=be), vote, hq)
+  if q.ndim == 2:
+    # Decode: two kernels.  Level 1 (Eq. 2) leaves its raw block outputs; the level-2
+    # kernel reduces them itself to each parent's S1, loads only the rows whose parent
+    # survived and reports them (Eq. 3).  No level-1 pass in between.
+    e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=cfg, backend=be)
+    s1 = _vote_rows(decode_scores_from_raw(e1, m1, l1, num_c1), vote, hq)   # for callers; unused: dead code
+    raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
+    e2, m2, l2, live = lookup_decode_raw(q, c2, n2, raw, scale=scale, groups=hs, cfg=cfg, backend=be)
+    s2 = jnp.mean(decode_scores_from_raw(e2, m2, l2, c2.shape[1]), axis=1)
+    cand = live[:, :c2.shape[1]] > 0
+    return s2, s1, cand, (num_c1 + jnp.sum(live, axis=1)).astype(jnp.int32)
+  # Prefill: level 1 (Eq. 2), its survivors, then the same kernels over the level-2
+  # centroids, reading only rows whose parent survived (Eq. 3).
+  s1 = lookup_prefill_scores(q, c1, n1, None, scale=scale, groups=hs, cfg=cfg, backend=be)
   keep1 = _survivors(s1, n1, t1, kvh)
   cand = _candidates(keep1, parent, n2, kvh)
-  # Level 2 (Eq. 3): the same kernels, reading only rows whose parent survived.
-  mask = Level2Mask(parent, keep1.astype(jnp.int32))
-  if prefill:
-    blocks, n_blocks = _live_blocks(cand, prefill_block_c(cfg, c2.shape[1], q.shape[1])[0])
-    s2 = lookup_prefill_scores(q, c2, n2, mask._replace(blocks=blocks, n_blocks=n_blocks),
-                               scale=scale, groups=hs, cfg=cfg, backend=be)
-  else:
-    s2 = jnp.mean(lookup_decode_scores(q, c2, n2, mask, scale=scale, groups=hs, cfg=cfg,
-                                       backend=be), axis=1)
+  blocks, n_blocks = _live_blocks(cand, prefill_block_c(cfg, c2.shape[1], q.shape[1])[0])
+  mask = Level2Mask(parent, keep1.astype(jnp.int32), blocks, n_blocks)
+  s2 = lookup_prefill_scores(q, c2, n2, mask, scale=scale, groups=hs, cfg=cfg, backend=be)
   s2 = jnp.where(cand, s2, 0.0)
   return s2, s1, cand, (num_c1 + jnp.sum(cand, axis=1)).astype(jnp.int32)
 

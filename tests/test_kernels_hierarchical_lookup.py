@@ -88,6 +88,7 @@ CASES = [  # hq, hkv, T, C1, C2, d, dtype, vote, prefill, parent-major level 2
     (8, 2, 1, 13, 90, 64, jnp.float32, "q", False, False),
     (4, 4, 6, 7, 40, 128, jnp.bfloat16, "kv", False, True),
     (4, 1, 37, 9, 133, 48, jnp.float32, "kv", True, True),
+    (8, 2, 1, 21, 150, 32, jnp.bfloat16, "kv", False, True),   # decode, group vote over 4 heads
 ]
 
 
