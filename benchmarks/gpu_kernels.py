@@ -895,11 +895,14 @@ def main(argv=None) -> int:
                   help="tiny shapes on CPU (Pallas interpret mode) to exercise the plumbing")
   ap.add_argument("--lengths", default="", help="comma-separated fixed-context lengths")
   ap.add_argument("--skip-checks", action="store_true")
+  ap.add_argument("--checks-only", action="store_true", help="only the compiled-vs-reference checks")
   ap.add_argument("--no-sweep", action="store_true", help="only the default kernel configs")
   ap.add_argument("--budget-s", type=float, default=0.0,
                   help="stop starting new timing cases after this many seconds")
   args = ap.parse_args(argv)
   plan = make_plan(args)
+  if args.checks_only:
+    plan.lengths = ()
   if plan.backend == "pallas" and jax.default_backend() != "gpu":
     print(f"error: no GPU (jax backend {jax.default_backend()!r}); use --cpu-smoke",
           file=sys.stderr)
@@ -926,8 +929,9 @@ def main(argv=None) -> int:
   except Exception as e:  # noqa: BLE001
     res["errors"]["checks"] = short_error(e)
   try:
-    res["copy_bandwidth"] = copy_bandwidth(plan)
-    log(f"[bw] device copy {res['copy_bandwidth']['tb_per_s']:.3f} TB/s")
+    if plan.lengths:
+      res["copy_bandwidth"] = copy_bandwidth(plan)
+      log(f"[bw] device copy {res['copy_bandwidth']['tb_per_s']:.3f} TB/s")
   except Exception as e:  # noqa: BLE001
     res["errors"]["copy_bandwidth"] = short_error(e)
   for num_l in plan.lengths:

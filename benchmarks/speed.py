@@ -291,6 +291,7 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
             tr = kernel_time_per_call(functools.partial(kern, lookup_only=True), ksets, top=6)
             if tr:
                 row["lookup_kernel_busy_ms"] = tr["busy_ms_per_call"]
+                row["lookup_kernels"] = tr["kernels"]
             if kernel:  # kernel time per call and the largest kernels, from a profiler trace (GPU only)
                 tr = kernel_time_per_call(kern, ksets, top=6)
                 if tr:
@@ -831,6 +832,20 @@ def to_markdown(res: dict) -> str:
                       f"{_f(busy, 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
                       f"{_f(best / busy if best and busy else None, 2, '×')} | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.4f}" for k in r.get("kernels", [])[:4]) + " |")
+        md.append("")
+    pairs = [(a, b) for a in traced for b in traced if a["method"] == "squeezed" and b["method"] == "hsqueezed"
+             and (a["Hq"], a["Hkv"], a["L"], a["sparsity"]) == (b["Hq"], b["Hkv"], b["L"], b["sparsity"])
+             and a.get("lookup_kernel_busy_ms") and b.get("lookup_kernel_busy_ms")]
+    if pairs:
+        md += ["## Decode lookup: hierarchical vs 1-level, kernel time per call (same trace method)", "",
+               "| Hq/Hkv | L | sparsity | 1-level ms | hierarchical ms | ratio | centroid rows read (1-level / "
+               "hierarchical) | hierarchical lookup kernels (ms per call) |", "|---|---|---|---|---|---|---|---|"]
+        for a, b in pairs:
+            md.append(f"| {a['Hq']}/{a['Hkv']} | {a['L']} | {a['sparsity']} | {a['lookup_kernel_busy_ms']:.4f} | "
+                      f"{b['lookup_kernel_busy_ms']:.4f} | {b['lookup_kernel_busy_ms'] / a['lookup_kernel_busy_ms']:.2f}× | "
+                      f"{_f(a.get('meta_rows'), 0)} / {_f(b.get('meta_rows'), 0)} | "
+                      + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.4f}" for k in b.get("lookup_kernels", [])[:5])
+                      + " |")
         md.append("")
     if rows:
         md += ["QUEST and SAAP (decode): budget matched to the kept fraction of the 1-level Squeezed row at that "
