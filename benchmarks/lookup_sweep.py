@@ -1,6 +1,8 @@
-"""Tiling sweep of the prefill centroid lookup (Eq. 1 averaged over a block of T tokens).
+"""Tiling sweeps of the centroid lookup: prefill (Eq. 1 averaged over a block of T tokens), or
+with --decode the one-token lookup, 1-level and hierarchical side by side.
 
     python -m benchmarks.lookup_sweep --out DIR [--length 524288] [--tokens 4096] [--cpu-smoke]
+    python -m benchmarks.lookup_sweep --decode --out DIR [--length 524288] [--cpu-smoke]
 
 For each `CentroidLookupConfig` (block_t x block_c x num_warps x num_stages) the two-pass
 lookup kernels (`centroid_lookup_prefill`: statistics pass + scoring pass) are checked against
@@ -8,6 +10,12 @@ lookup kernels (`centroid_lookup_prefill`: statistics pass + scoring pass) are c
 all T tokens (median of repeated calls after warm-up). Shapes: Llama-3-8B attention (32 query
 heads, 8 KV heads, d = 128), bf16, 5% centroids. Prints a table, writes lookup_sweep.json/.md
 with the default and the fastest passing config, TFLOP/s (two passes of 2*T*Hq*C*d).
+
+--decode: for each (block_c, num_warps) the 1-level decode lookup over the 5% centroids and the
+hierarchical one (1% level-1 centroids, level 2 numbered parent by parent, T1 keeping
+`keep_parents` of the level-1 clusters) are checked against their references and timed: kernel
+busy time per call from a profiler trace (what the speed suite's hierarchical-vs-1-level table
+reports) and wall time per call. Writes lookup_decode_sweep.json/.md.
 """
 
 from __future__ import annotations
@@ -45,6 +53,136 @@ class Plan:
     grid: tuple = (("block_t", (64, 128)), ("block_c", (128,)), ("num_warps", (4,)), ("num_stages", (2,)),
                    ("tile_acc", (True,)), ("score_block_t", (64, 128)), ("score_block_c", (64, 128)),
                    ("score_warps", (4, 8)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    length: int = 524288
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+    centroid_frac: float = 0.05
+    level1_frac: float = 0.01
+    keep_parents: float = 0.3   # fraction of level-1 clusters T1 keeps (on the timed query)
+    reps: int = 5
+    backend: str = "pallas"
+    block_c: tuple = (64, 128, 256)
+    num_warps: tuple = (2, 4, 8)
+
+
+def decode_cpu_plan() -> DecodePlan:
+    return DecodePlan(length=4096, hq=4, hkv=2, d=32, reps=1, backend="interpret", block_c=(16, 32),
+                      num_warps=(4,))
+
+
+def decode_inputs(plan: DecodePlan, seed: int = 0):
+    """Random bf16 two-level tree (level 2 parent-major, level-1 centroids = means of their
+    children) and a T1 between two adjacent level-1 scores near the `keep_parents` quantile."""
+    from pallas_kernels import centroid_lookup_reference
+
+    c2n, c1n = int(plan.length * plan.centroid_frac), int(plan.length * plan.level1_frac)
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (plan.hq, plan.d), jnp.float32).astype(jnp.bfloat16)
+    c2 = 2.0 * jax.random.normal(ks[1], (plan.hkv, c2n, plan.d), jnp.float32)
+    n2 = jax.random.randint(ks[2], (plan.hkv, c2n), 0, 41, jnp.int32)
+    parent = jnp.sort(jax.random.randint(ks[3], (plan.hkv, c2n), 0, c1n, jnp.int32), axis=1)
+    seg = jax.vmap(lambda x, p: jax.ops.segment_sum(x, p, c1n))
+    c1 = seg(c2 * n2[..., None], parent) / jnp.maximum(seg(n2, parent), 1)[..., None]
+    n1 = seg(n2, parent)
+    c1, c2 = c1.astype(jnp.bfloat16), c2.astype(jnp.bfloat16)
+    scale = 1.0 / float(np.sqrt(plan.d))
+    _, s1 = centroid_lookup_reference(q, c1, n1, 0.0, scale=scale)
+    v = np.sort(np.asarray(s1).ravel())
+    k = int((1.0 - plan.keep_parents) * (len(v) - 1))
+    t1 = np.float32((v[k] + v[min(k + 1, len(v) - 1)]) / 2)
+    t2 = np.float32(1.0 / c2n)
+    return dict(q=q, c1=c1, n1=n1, c2=c2, n2=n2, parent=parent, t1=t1, t2=t2, scale=scale)
+
+
+def run_decode(plan: DecodePlan, log=print) -> dict:
+    from benchmarks._profile import kernel_time_per_call
+    from pallas_kernels import (CentroidLookupConfig, centroid_lookup_decode, centroid_lookup_reference,
+                                hierarchical_lookup_decode, hierarchical_lookup_reference)
+
+    t_start = time.perf_counter()
+    x = decode_inputs(plan)
+    h_args = (x["q"], x["c1"], x["n1"], x["c2"], x["n2"], x["parent"], x["t1"], x["t2"])
+    o_args = (x["q"], x["c2"], x["n2"], x["t2"])
+    _, ref1 = centroid_lookup_reference(*o_args, scale=x["scale"])
+    _, refh, ref_touched = hierarchical_lookup_reference(*h_args, scale=x["scale"])
+    ref1, refh, ref_touched = np.asarray(ref1), np.asarray(refh), np.asarray(ref_touched)
+
+    def rel(a, b):
+        return float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+    rows = []
+    for bc, w in itertools.product(plan.block_c, plan.num_warps):
+        cfg = CentroidLookupConfig(block_c=bc, num_warps=w)
+        row = {"block_c": bc, "num_warps": w, "default": cfg == CentroidLookupConfig()}
+        for name, fn, args, ref in (
+                ("one_level", centroid_lookup_decode, o_args, ref1),
+                ("hierarchical", hierarchical_lookup_decode, h_args, refh)):
+            try:
+                f = jax.jit(lambda *a, fn=fn, cfg=cfg: fn(*a, scale=x["scale"], backend=plan.backend, config=cfg))
+                out = f(*args)
+                err = rel(out[1], ref)
+                ok = err < 2e-2
+                if name == "hierarchical":  # level-1 survivors must agree (T1 sits in a gap)
+                    row["touched_max_diff"] = int(np.max(np.abs(np.asarray(out[2]) - ref_touched)))
+                    ok = ok and row["touched_max_diff"] <= 0.005 * x["c2"].shape[1]
+                row[f"{name}_err"], row[f"{name}_pass"] = err, bool(ok)
+                row[f"{name}_ms"] = time_ms(f, [args], reps=plan.reps)
+                tr = kernel_time_per_call(f, [args], top=5) if plan.backend == "pallas" else None
+                if tr:
+                    row[f"{name}_busy_ms"] = tr["busy_ms_per_call"]
+                    row[f"{name}_kernels"] = tr["kernels"]
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        key = "busy_ms" if "one_level_busy_ms" in row else "ms"
+        if f"hierarchical_{key}" in row and f"one_level_{key}" in row:
+            row["ratio"] = row[f"hierarchical_{key}"] / row[f"one_level_{key}"]
+        log(f"block_c {bc}, {w} warps: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
+            f"{row.get('hierarchical_' + key, float('nan')):.4f} ms ({key}), ratio {row.get('ratio', float('nan')):.2f}"
+            + "".join(f"; {k}: {v[:80]}" for k, v in row.items() if k.endswith("_error")))
+        rows.append(row)
+    res = {"meta": metadata(), "plan": dataclasses.asdict(plan), "t1": float(x["t1"]),
+           "level2_rows": int(x["c2"].shape[1]), "level1_rows": int(x["c1"].shape[1]),
+           "touched_ref_mean": float(ref_touched.mean()), "rows": rows, "seconds": time.perf_counter() - t_start}
+    key = "busy_ms" if any("one_level_busy_ms" in r for r in rows) else "ms"
+    for name in ("one_level", "hierarchical"):
+        ok = [r for r in rows if r.get(f"{name}_pass") and f"{name}_{key}" in r]
+        if ok:
+            res[f"best_{name}"] = min(ok, key=lambda r: r[f"{name}_{key}"])
+    if "best_one_level" in res and "best_hierarchical" in res:
+        res["best_ratio"] = res["best_hierarchical"][f"hierarchical_{key}"] / res["best_one_level"][f"one_level_{key}"]
+    res["timing"] = key
+    return res
+
+
+def decode_to_markdown(res: dict) -> str:
+    p, key = res["plan"], res["timing"]
+    what = "kernel busy ms per call (profiler trace)" if key == "busy_ms" else "wall ms per call"
+    md = [f"# Decode centroid lookup, 1-level vs hierarchical: tiling sweep — {res['meta']['device']}", "",
+          f"jax {res['meta']['jax']}, commit {res['meta']['git_commit']}; L = {p['length']}: {res['level2_rows']} "
+          f"level-2 and {res['level1_rows']} level-1 centroids per KV head, Hq/Hkv/d = {p['hq']}/{p['hkv']}/{p['d']} "
+          f"bf16; T1 keeps {p['keep_parents']:.0%} of the level-1 clusters: centroid rows scored "
+          f"{res['touched_ref_mean']:.0f} of {res['level2_rows']} (hierarchical / 1-level "
+          f"{res['touched_ref_mean'] / res['level2_rows']:.2f}). Times: {what}, median of {p['reps']}.", "",
+          "| block_c | warps | 1-level ms | hierarchical ms | ratio | 1-level err | hierarchical err | |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        md.append(f"| {r['block_c']} | {r['num_warps']} | {r.get('one_level_' + key, float('nan')):.4f} | "
+                  f"{r.get('hierarchical_' + key, float('nan')):.4f} | {r.get('ratio', float('nan')):.2f} | "
+                  f"{r.get('one_level_err', float('nan')):.1e} | {r.get('hierarchical_err', float('nan')):.1e} | "
+                  f"{'default' if r['default'] else ''} |")
+    if "best_ratio" in res:
+        b1, bh = res["best_one_level"], res["best_hierarchical"]
+        md += ["", f"Fastest 1-level: block_c {b1['block_c']}, {b1['num_warps']} warps, {b1['one_level_' + key]:.4f} ms; "
+                   f"fastest hierarchical: block_c {bh['block_c']}, {bh['num_warps']} warps, "
+                   f"{bh['hierarchical_' + key]:.4f} ms → {res['best_ratio']:.2f}× the fastest 1-level."]
+        for k in bh.get("hierarchical_kernels", [])[:5]:
+            md.append(f"- `{k['name']}` {k['ms_per_call']:.4f} ms per call")
+    return "\n".join(md) + "\n"
 
 
 def cpu_plan() -> Plan:
@@ -176,7 +314,10 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=0.0)
+    ap.add_argument("--decode", action="store_true", help="the decode lookup: 1-level vs hierarchical")
     args = ap.parse_args(argv)
+    if args.decode:
+        return _main_decode(args)
     plan = cpu_plan() if args.cpu_smoke else Plan()
     if not args.cpu_smoke and jax.default_backend() != "gpu":
         print("the lookup sweep needs a GPU (use --cpu-smoke to check the plumbing)", file=sys.stderr)
@@ -198,6 +339,22 @@ def main(argv=None) -> int:
     (out / "lookup_sweep.md").write_text(md)
     print(md)
     return 0
+
+
+def _main_decode(args) -> int:
+    plan = decode_cpu_plan() if args.cpu_smoke else DecodePlan()
+    if not args.cpu_smoke and jax.default_backend() != "gpu":
+        print("the lookup sweep needs a GPU (use --cpu-smoke to check the plumbing)", file=sys.stderr)
+        return 2
+    if args.length:
+        plan = dataclasses.replace(plan, length=args.length)
+    res = run_decode(plan, log=lambda m: print(m, flush=True))
+    out = Path(args.out)
+    write_json(out / "lookup_decode_sweep.json", res)
+    md = decode_to_markdown(res)
+    (out / "lookup_decode_sweep.md").write_text(md)
+    print(md)
+    return 0 if "best_ratio" in res else 1
 
 
 if __name__ == "__main__":

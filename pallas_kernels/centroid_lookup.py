@@ -29,9 +29,10 @@ jnp) forms ``D = sum_b l_b exp(m_b - M)`` and ``S_i = e_i exp(m_b - M) / D`` (th
 paper compares ``e_i`` with ``D T`` rescaled by ``exp(m_b - M)``; the group vote
 needs the normalised ``S_i`` itself, one multiply more).
 
-The same kernels take an optional ``Level2Mask`` (a parent per centroid and the kept
-parents per group), which ``hierarchical_lookup`` uses for its level-2 pass: rows whose
-parent was dropped are never loaded, and the statistics pass loops over live blocks only.
+``hierarchical_lookup`` reuses these kernels for its level 2: the decode kernel takes
+the level-1 kernel's raw outputs (``Level1Raw``) and reads only rows whose parent
+survives; the prefill passes take a per-group row bound (``n_valid``) over a
+compacted candidate set.
 """
 from __future__ import annotations
 
@@ -96,67 +97,47 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
-class Level2Mask(NamedTuple):
-  """Which centroids a group may read (hierarchical level 2, Eq. 3).
-
-  Centroid ``i`` of KV head ``kv`` is live for group ``grp`` only where
-  ``0 <= parent[kv, i] < P`` and ``keep[grp, parent[kv, i]]`` is non-zero.  Rows that
-  are not live are never loaded and take no part in the denominator.  ``blocks`` /
-  ``n_blocks`` (prefill statistics pass only) list, per group, the centroid blocks of
-  ``block_c`` rows holding at least one live row, so that pass loops over those alone.
-  """
-  parent: jax.Array      # [Hkv, C] int32 level-1 parent of each centroid
-  keep: jax.Array        # [G, P] int32 non-zero: the parent survived for group grp
-  blocks: jax.Array | None = None    # [G, nB] int32 live block ids first
-  n_blocks: jax.Array | None = None  # [G] int32 live blocks per group
-
-
-def _load_centroid_block(c_ref, n_ref, lvl, *, grp, kv, j, num_c, num_p, d, live=None):
-  """Rows ``j`` of KV head ``kv`` for group ``grp``: (validity, counts, rows).
-
-  ``lvl`` = (parent_ref [Hkv * C], keep_ref [G * P]) or None: with it, a row is valid
-  only where its parent was kept for the group (masked loads: no traffic otherwise).
-  ``live`` [Bc] bool: rows already known to be live (then ``lvl`` is None).
-  """
+def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None):
+  """Rows ``j`` of KV head ``kv``: (validity, counts, rows).  ``live`` [Bc] bool: the
+  rows that may be read at all (default ``j < num_c``); masked loads move no bytes."""
   cv = j < num_c if live is None else live
   row = kv * num_c + j
-  if lvl is not None:
-    parent_ref, keep_ref = lvl
-    par = cm.gather_vec(parent_ref, row, cv, other=-1)
-    pv = cv & (par >= 0) & (par < num_p)
-    cv = pv & (cm.gather_vec(keep_ref, grp * num_p + par, pv, other=0) > 0)
   cnt = cm.gather_vec(n_ref, row, cv, other=0)                    # [Bc] int32
   valid = cv & (cnt > 0)
   c = cm.gather_rows(c_ref, row, d, valid)                        # [Bc, d]
   return valid, cnt.astype(jnp.float32), c
 
 
-def _level2_live_from_stats(refs, *, kv, h, hv, j, cv, num_c, num_p, group, r, nb1, nb1p, bc1):
-  """Level-2 rows whose parent survives level 1, computed from the level-1 decode
+def _level2_live_from_stats(refs, *, kv, h0, j, num_c, num_p, group, r, nb1, nb1p, bc1):
+  """Level-2 rows ``j`` whose parent survives level 1, computed from the level-1 decode
   kernel's raw outputs (no level-1 pass over HBM-sized tensors in between).
 
   refs = (parent [Hkv * C2], n1 [Hkv * C1], e1 [Hkv * nB1 * g * Bc1], m1, l1
-  [Hkv * nB1 * g], t1 [1]); h [rp] query heads of the group (hv: real ones).
+  [Hkv * nB1 * g], t1 [1]); the group's query heads are h0 .. h0 + r - 1.
   S1 = mean over the group's heads of e1 exp(m1_b - M) / D (Eq. 2); kept: S1 >= T1.
+  Tiles are [next_pow2(r), ...]: no dot here, so no 16-row padding.
   """
   parent_ref, n1_ref, e1_ref, m1_ref, l1_ref, t1_ref = refs
-  row1 = cm.krem(h, group)                                        # [rp] row in the level-1 group
+  r2 = cm.next_pow2(r)
+  hr = jnp.arange(r2, dtype=jnp.int32)
+  hv = hr < r
+  row1 = cm.krem(h0 + hr, group)                                  # [r2] row in the level-1 group
   # the level-1 softmax statistics of each head: M = max_b m_b, D = sum_b l_b exp(m_b - M)
   b1 = jnp.arange(nb1p, dtype=jnp.int32)
   bm = (b1[:, None] < nb1) & hv[None, :]
   bi = jnp.where(bm, (kv * nb1 + b1[:, None]) * group + row1[None, :], 0)
-  m1 = plgpu.load(m1_ref.at[bi], mask=bm, other=cm.MASK_VALUE)    # [nB1p, rp]
+  m1 = plgpu.load(m1_ref.at[bi], mask=bm, other=cm.MASK_VALUE)    # [nB1p, r2]
   l1 = plgpu.load(l1_ref.at[bi], mask=bm, other=0.0)
-  mx = jnp.max(m1, axis=0)                                        # [rp]
+  mx = jnp.max(m1, axis=0)                                        # [r2]
   den = jnp.sum(l1 * jnp.exp(m1 - mx[None, :]), axis=0)
   inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
   # each row's parent: its level-1 score
+  cv = j < num_c
   par = cm.gather_vec(parent_ref, kv * num_c + j, cv, other=-1)  # [Bc]
   pv = cv & (par >= 0) & (par < num_p)
   pc = jnp.where(pv, par, 0)
-  blk = (kv * nb1 + cm.kdiv(pc, bc1))[None, :] * group + row1[:, None]   # [rp, Bc]
-  em = hv[:, None] & pv[None, :]
-  blk = jnp.where(em, blk, 0)
+  em = hv[:, None] & pv[None, :]                                  # [r2, Bc]
+  blk = jnp.where(em, (kv * nb1 + cm.kdiv(pc, bc1))[None, :] * group + row1[:, None], 0)
   e1 = plgpu.load(e1_ref.at[blk * bc1 + cm.krem(pc, bc1)[None, :]], mask=em, other=0.0)
   mb = plgpu.load(m1_ref.at[blk], mask=em, other=0.0)
   w = jnp.where(em, jnp.exp(mb - mx[:, None]) * inv[:, None], 0.0)  # padding rows: M = MASK
@@ -168,39 +149,36 @@ def _level2_live_from_stats(refs, *, kv, h, hv, j, cv, num_c, num_p, group, r, n
 def _decode_kernel(q_ref,      # [Hq, d]
                    c_ref,      # [Hkv * C, d]
                    n_ref,      # [Hkv * C] int32
-                   *refs,      # level-2 inputs (see below)?, e, m, l (, live)
-                   scale, num_c, group, r, rp, block_c, d, num_p, level1=None):
-  """level1 None: ``refs`` = (parent, keep)? + outputs; level1 = (nB1, nB1p, Bc1):
-  refs = the six ``_level2_live_from_stats`` inputs + e, m, l, live [G, nB * Bc]."""
+                   *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
+                   scale, num_c, group, r, rp, block_c, d, level1=None):
+  """One program per (group, centroid block).  ``level1`` = (nB1, nB1p, Bc1, C1): level
+  2 of a hierarchical lookup; rows are live only where their parent survives (computed
+  here from the level-1 kernel's raw outputs) and the live rows are reported."""
   grp = pl.program_id(0)
   cb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   hr = jnp.arange(rp, dtype=jnp.int32)
   q = cm.gather_rows(q_ref, grp * r + hr, d, hr < r)              # [rp, d]
   j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  live_ref = None
+  live = live_ref = None
   if level1 is not None:
-    nb1, nb1p, bc1 = level1
+    nb1, nb1p, bc1, num_p = level1
     e_ref, m_ref, l_ref, live_ref = refs[6:]
-    cv = _level2_live_from_stats(refs[:6], kv=kv, h=grp * r + hr, hv=hr < r, j=j, cv=j < num_c,
-                                 num_c=num_c, num_p=num_p, group=group, r=r, nb1=nb1, nb1p=nb1p,
-                                 bc1=bc1)
-    valid, cnt, c = _load_centroid_block(c_ref, n_ref, None, grp=grp, kv=kv, j=j, num_c=num_c,
-                                         num_p=0, d=d, live=cv)
+    live = _level2_live_from_stats(refs[:6], kv=kv, h0=grp * r, j=j, num_c=num_c, num_p=num_p,
+                                   group=group, r=r, nb1=nb1, nb1p=nb1p, bc1=bc1)
   else:
-    lvl, (e_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if num_p else (None, refs)
-    valid, cnt, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
-                                         num_p=num_p, d=d)
+    e_ref, m_ref, l_ref = refs
+  valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live)
   s = plgpu.dot(q, c, trans_b=True) * scale                       # [rp, Bc] f32
   s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
   m = jnp.max(s, axis=1)                                          # [rp]
   e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)     # [rp, Bc]
   l = jnp.sum(e * cnt[None, :], axis=1)                           # [rp]
   # Only the r real query rows are stored (outputs are [G, nB, r, ...]).
-  live = hr < r
-  plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=live[:, None])
-  plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=live)
-  plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=live)
+  hv = hr < r
+  plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=hv[:, None])
+  plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=hv)
+  plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=hv)
   if live_ref is not None:
     live_ref[grp, pl.ds(cb * block_c, block_c)] = valid.astype(jnp.int32)
 
@@ -208,29 +186,26 @@ def _decode_kernel(q_ref,      # [Hq, d]
 def _stats_kernel(q_ref,      # [Hq * T, d]
                   c_ref,      # [Hkv * C, d]
                   n_ref,      # [Hkv * C] int32
-                  *refs,      # (parent, keep, blocks [G * nB], n_blocks [G])?, m [Hq, Tp], l [Hq, Tp]
-                  scale, seq_len, num_c, group, r, block_t, block_c, d, num_p):
-  if num_p:
-    parent_ref, keep_ref, blk_ref, nblk_ref, m_ref, l_ref = refs
-    lvl = (parent_ref, keep_ref)
+                  *refs,      # (n_valid [G])?, m [Hq, Tp], l [Hq, Tp]
+                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded):
+  if bounded:
+    nv_ref, m_ref, l_ref = refs
   else:
-    lvl, (m_ref, l_ref) = None, refs
+    m_ref, l_ref = refs
   tb = pl.program_id(0)   # token blocks fastest: concurrent programs share the centroids
   h = pl.program_id(1)
   grp = cm.kdiv(h, r)
   kv = cm.kdiv(h, group)
   t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
   q = cm.gather_rows(q_ref, h * seq_len + t, d, t < seq_len)      # [Bt, d]
-  nb_all = cm.cdiv(num_c, block_c)
-  nblocks = nblk_ref[grp] if num_p else nb_all                    # live blocks only
+  n = jnp.clip(nv_ref[grp], 0, num_c) if bounded else num_c       # rows [0, n) only
   scale2 = scale * _LOG2E   # base-2 logits: exp2 is the hardware's exp
 
   def body(b, carry):
     m_prev, l_prev = carry
-    blk = blk_ref[grp * nb_all + b] if num_p else b
-    j = blk * block_c + jnp.arange(block_c, dtype=jnp.int32)
-    valid, cnt, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
-                                         num_p=num_p, d=d)
+    j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
+                                         live=(j < n) if bounded else None)
     s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc] log2 units
     s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -242,10 +217,10 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
 
   m0 = jnp.full((block_t,), cm.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_t,), jnp.float32)
-  if num_p:  # traced trip count: int32 bounds on both ends (see the scoring pass)
-    m, l = lax.fori_loop(jnp.int32(0), nblocks.astype(jnp.int32), body, (m0, l0))
+  if bounded:  # traced trip count: int32 bounds on both ends (see the scoring pass)
+    m, l = lax.fori_loop(jnp.int32(0), cm.kcdiv(n, block_c).astype(jnp.int32), body, (m0, l0))
   else:
-    m, l = lax.fori_loop(0, nblocks, body, (m0, l0))
+    m, l = lax.fori_loop(0, cm.cdiv(num_c, block_c), body, (m0, l0))
   m_ref[h, pl.ds(tb * block_t, block_t)] = m
   l_ref[h, pl.ds(tb * block_t, block_t)] = l
 
@@ -255,16 +230,17 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   ms_ref,     # [Hq, Tp] f32 (kernel A)
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
-                  *refs,      # (parent, keep)?, out [G, nB * Bc]
-                  scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, num_p,
+                  *refs,      # (n_valid [G])?, out [G, nB * Bc]
+                  scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
                   tile_acc=False):
-  lvl, (o_ref,) = (refs[:2], refs[2:]) if num_p else (None, refs)
+  (nv_ref, o_ref) = refs if bounded else (None, refs[0])
   cb = pl.program_id(0)   # centroid blocks fastest: concurrent programs share the queries
   grp = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  valid, _, c = _load_centroid_block(c_ref, n_ref, lvl, grp=grp, kv=kv, j=j, num_c=num_c,
-                                     num_p=num_p, d=d)  # c: [Bc, d]
+  n = jnp.clip(nv_ref[grp], 0, num_c) if bounded else num_c
+  valid, _, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
+                                     live=(j < n) if bounded else None)  # c: [Bc, d]
   scale2 = scale * _LOG2E   # the statistics pass's base-2 units
 
   def body(it, acc):
@@ -283,8 +259,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
       return acc + p * inv[:, None]                                 # [Bt, Bc]
     return acc + jnp.sum(p * inv[:, None], axis=0)
 
-  # a level-2 block with no live row does no work (its output is zero)
-  active = jnp.max(valid.astype(jnp.int32)) > 0 if num_p else True
+  # a block past the group's bound does no work (its output is zero)
+  active = cb * block_c < n
   # explicit int32 bounds: a Python-int branch of jnp.where lowers to a different integer
   # type than the loop's lower bound and Triton rejects the scf.for (seen on H200)
   n_it = jnp.where(active, jnp.int32(r * n_tb), jnp.int32(0)).astype(jnp.int32)
@@ -305,12 +281,6 @@ def _flat_inputs(centroids, counts, d_pad):
   return c, counts.reshape(hkv * num_c)
 
 
-def _mask_args(mask: Level2Mask | None) -> tuple[list, int]:
-  if mask is None:
-    return [], 0
-  return [mask.parent.reshape(-1), mask.keep.astype(jnp.int32).reshape(-1)], mask.keep.shape[1]
-
-
 class Level1Raw(NamedTuple):
   """The level-1 decode kernel's raw outputs (``lookup_decode_raw`` over the level-1
   centroids with one group per KV head), from which the level-2 decode kernel decides
@@ -323,9 +293,10 @@ class Level1Raw(NamedTuple):
   t1: jax.Array       # [] f32
 
 
-def lookup_decode_raw(q, centroids, counts, mask, *, scale, groups, cfg, backend):
+def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend):
   """The decode kernel: (e [G, nB, R, Bc], m [G, nB, R], l [G, nB, R], live [G, nB * Bc]
-  int32 or None).  ``mask``: None, a ``Level2Mask`` or a ``Level1Raw``."""
+  int32 or None).  ``level1``: None, or a ``Level1Raw`` (level 2 of a hierarchical
+  lookup: only rows whose parent survives are read, and ``live`` reports them)."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
@@ -339,23 +310,20 @@ def lookup_decode_raw(q, centroids, counts, mask, *, scale, groups, cfg, backend
       jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
       jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
   ]
-  level1 = None
-  if isinstance(mask, Level1Raw):
-    nb1, bc1 = mask.e.shape[1], mask.e.shape[3]
-    level1 = (nb1, max(16, cm.next_pow2(nb1)), bc1)
-    num_p = mask.counts.shape[1]
-    extra = [mask.parent.reshape(-1), mask.counts.reshape(-1), mask.e.reshape(-1),
-             mask.m.reshape(-1), mask.l.reshape(-1), jnp.asarray(mask.t1, jnp.float32).reshape(1)]
+  extra, lv = [], None
+  if level1 is not None:
+    nb1, bc1 = level1.e.shape[1], level1.e.shape[3]
+    lv = (nb1, max(16, cm.next_pow2(nb1)), bc1, level1.counts.shape[1])
+    extra = [level1.parent.reshape(-1), level1.counts.reshape(-1), level1.e.reshape(-1),
+             level1.m.reshape(-1), level1.l.reshape(-1), jnp.asarray(level1.t1, jnp.float32).reshape(1)]
     outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
-  else:
-    extra, num_p = _mask_args(mask)
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-      block_c=block_c, d=dp, num_p=num_p, level1=level1)
+      block_c=block_c, d=dp, level1=lv)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb), out_shape=outs,
-      name="centroid_lookup_decode" if mask is None else "centroid_lookup_decode_level2",
+      name="centroid_lookup_decode" if level1 is None else "centroid_lookup_decode_level2",
   )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
   return (*res, None) if len(res) == 3 else tuple(res)
 
@@ -372,14 +340,13 @@ def decode_scores_from_raw(e, m, l, num_c):
   return s[:, :, :num_c]
 
 
-def lookup_decode_scores(q, centroids, counts, mask, *, scale, groups, cfg, backend):
+def lookup_decode_scores(q, centroids, counts, *, scale, groups, cfg, backend):
   """Per-head Eq. 1 scores, one query token; grid (group x centroid block).
 
-  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32; mask: ``Level2Mask`` or None
-  (the denominator of a head sums over its group's live centroids only).
-  Returns S [G, R, C] f32 (R = Hq // G); 0 where not live.
+  q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32.
+  Returns S [G, R, C] f32 (R = Hq // G); 0 for empty clusters.
   """
-  e, m, l, _ = lookup_decode_raw(q, centroids, counts, mask, scale=scale, groups=groups, cfg=cfg,
+  e, m, l, _ = lookup_decode_raw(q, centroids, counts, None, scale=scale, groups=groups, cfg=cfg,
                                  backend=backend)
   return decode_scores_from_raw(e, m, l, centroids.shape[1])
 
@@ -392,12 +359,13 @@ def prefill_block_c(cfg: CentroidLookupConfig, num_c: int, seq_len: int) -> tupl
           fit_t(cfg.score_block_t or cfg.block_t))
 
 
-def lookup_prefill_scores(q, centroids, counts, mask, *, scale, groups, cfg, backend):
+def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, cfg, backend):
   """Eq. 1 scores averaged over the T tokens and the R heads of each group.
 
-  q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; mask as in
-  ``lookup_decode_scores``, with its block list made for the statistics pass's block
-  size (``prefill_block_c(...)[0]``).  Returns avg [G, C] f32 (0 where not live).
+  q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; n_valid [G] int32 or None: only
+  rows ``[0, n_valid[g])`` of group g's centroids take part (both passes stop there:
+  a compacted candidate set costs its size, not C).  Returns avg [G, C] f32 (0 for
+  empty clusters and rows past the bound).
   """
   hq, seq_len, d = q.shape
   hkv, num_c, _ = centroids.shape
@@ -408,20 +376,16 @@ def lookup_prefill_scores(q, centroids, counts, mask, *, scale, groups, cfg, bac
   nb = cm.cdiv(num_c, bc_b)
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
   q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
-  extra, num_p = _mask_args(mask)
-  blocks = []
-  if mask is not None:
-    if mask.blocks is None or mask.blocks.shape != (groups, cm.cdiv(num_c, bc_a)):
-      raise ValueError(f"the level-2 mask needs its block list for blocks of {bc_a} centroids")
-    blocks = [mask.blocks.astype(jnp.int32).reshape(-1), mask.n_blocks.astype(jnp.int32)]
-  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp, num_p=num_p)
+  extra = [] if n_valid is None else [n_valid.astype(jnp.int32)]
+  common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
+                bounded=n_valid is not None)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, **common), backend=backend,
       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(t_pad // bt_a, hq),
       out_shape=[jax.ShapeDtypeStruct((hq, t_pad), jnp.float32)] * 2,
       name="centroid_lookup_stats",
-  )(q_flat, c_flat, n_flat, *extra, *blocks)
+  )(q_flat, c_flat, n_flat, *extra)
   avg = pallas_call(
       functools.partial(_score_kernel, n_tb=cm.cdiv(seq_len, bt_b), tile_acc=cfg.tile_acc,
                         block_t=bt_b, block_c=bc_b, **common), backend=backend,
@@ -531,7 +495,7 @@ def centroid_lookup_prefill(
   cfg = config or DEFAULT_PREFILL
   hq = q.shape[0]
   hs = cm.num_selection_heads(hq, centroids.shape[0], vote)
-  avg = lookup_prefill_scores(q, centroids, counts, None, scale=scale, groups=hs,
+  avg = lookup_prefill_scores(q, centroids, counts, scale=scale, groups=hs,
                               cfg=cfg, backend=be)
   return _finish(avg, counts, threshold, vote, hq)
 
@@ -563,7 +527,7 @@ def centroid_lookup_decode(
   hq = q.shape[0]
   hkv, num_c, _ = centroids.shape
   # Programs per (KV head, centroid block): each centroid row is read once for the group.
-  s = lookup_decode_scores(q, centroids, counts, None, scale=scale, groups=hkv,
+  s = lookup_decode_scores(q, centroids, counts, scale=scale, groups=hkv,
                            cfg=cfg, backend=be)                   # [Hkv, g, C]
   s = jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, num_c)
   return _finish(s, counts, threshold, vote, hq)

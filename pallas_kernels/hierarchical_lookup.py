@@ -17,21 +17,20 @@ selected.  The cost measure ``n_touched[s] = C1 + (number of candidates)`` is th
 number of centroid rows scored for selection head ``s``.
 
 Tree: ``parent[kv, l]`` is the level-1 cluster of level-2 cluster ``l`` (outside
-``[0, C1)``: no parent, never a candidate).  Any numbering is correct; the level-2
-pass is fastest when level-2 clusters are numbered parent by parent (the library's
-index does this: ``sqjax.squeezed.cluster_fixed_context``), because a dropped parent's
-children are then whole blocks of rows that no program loads.
+``[0, C1)``: no parent, never a candidate).  Any numbering is correct.  The library's
+index numbers level 2 parent by parent (``sqjax.squeezed.cluster_fixed_context``,
+``parent_major_order``), so a decode program's parent lookups stay on a few
+neighbouring level-1 entries and a dropped parent's children are adjacent rows.
 
 Kernels: the level-1 pass is the one-level lookup kernel over the level-1 centroids.
 Decode: the level-2 kernel reads the level-1 kernel's raw block outputs and computes
 each of its rows' parent score itself (``Level1Raw``), so decode is two kernels plus
-the cheap final normalisation.  Prefill: the survivors ``keep1 [Hs, C1]`` drive the
-same two passes over the level-2 centroids as a ``Level2Mask``.  Either way each
-program gathers the parents of its rows and loads only the rows whose parent survived
-(masked loads: no traffic for the rest); the prefill passes skip blocks with no live
-row (the statistics pass loops over a per-head list of live blocks; the scoring
-pass's programs for dead blocks do no work).  No candidate list, no scatter: outputs
-are in level-2 order.
+the cheap final normalisation; each of its programs gathers the parents of its rows
+and loads only the rows whose parent survived (masked loads: no traffic for the
+rest).  Prefill is compute-bound, so skipping rows inside a block would save nothing:
+the candidates (in level-2 order) are gathered to the front of a per-head copy of the
+level-2 centroids and the same two passes run over them, stopping after the last one
+(``n_valid``); the scores are put back in level-2 order.
 """
 from __future__ import annotations
 
@@ -41,9 +40,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw, Level2Mask,
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw,
                                             decode_scores_from_raw, lookup_decode_raw,
-                                            lookup_prefill_scores, prefill_block_c)
+                                            lookup_prefill_scores)
 from pallas_kernels._dispatch import resolve_backend
 
 __all__ = ["hierarchical_lookup_prefill", "hierarchical_lookup_decode", "hierarchical_scores",
@@ -97,17 +96,6 @@ def _candidates(keep1, parent, n2, kvh):
   return ok & jnp.take_along_axis(keep1, jnp.clip(par, 0, num_c1 - 1), axis=1) & (n2[kvh] > 0)
 
 
-def _live_blocks(cand, block_c):
-  """Per head, the ids of the blocks of ``block_c`` level-2 rows holding a candidate,
-  first (ascending), and how many: ([Hs, nB] int32, [Hs] int32)."""
-  hs, num_c2 = cand.shape
-  nb = cm.cdiv(num_c2, block_c)
-  live = cm.pad_axis(cand, 1, nb * block_c, False).reshape(hs, nb, block_c).any(axis=2)
-  b = jnp.arange(nb, dtype=jnp.int32)
-  order = jnp.argsort(jnp.where(live, b, nb + b), axis=1).astype(jnp.int32)
-  return order, jnp.sum(live, axis=1).astype(jnp.int32)
-
-
 def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
   """-> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], n_touched [Hs])."""
   hq = q.shape[0]
@@ -125,16 +113,20 @@ def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
     s2 = jnp.mean(decode_scores_from_raw(e2, m2, l2, c2.shape[1]), axis=1)
     cand = live[:, :c2.shape[1]] > 0
     return s2, s1, cand, (num_c1 + jnp.sum(live, axis=1)).astype(jnp.int32)
-  # Prefill: level 1 (Eq. 2), its survivors, then the same kernels over the level-2
-  # centroids, reading only rows whose parent survived (Eq. 3).
-  s1 = lookup_prefill_scores(q, c1, n1, None, scale=scale, groups=hs, cfg=cfg, backend=be)
-  keep1 = _survivors(s1, n1, t1, kvh)
-  cand = _candidates(keep1, parent, n2, kvh)
-  blocks, n_blocks = _live_blocks(cand, prefill_block_c(cfg, c2.shape[1], q.shape[1])[0])
-  mask = Level2Mask(parent, keep1.astype(jnp.int32), blocks, n_blocks)
-  s2 = lookup_prefill_scores(q, c2, n2, mask, scale=scale, groups=hs, cfg=cfg, backend=be)
+  # Prefill: level 1 (Eq. 2) and its survivors; the candidates are gathered to the front
+  # of a per-head copy of the level-2 centroids (a few MB), so that the same two passes
+  # run over them with affine, pipelined loads and stop after the last one (Eq. 3).
+  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be)
+  cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)
+  order = jnp.argsort(~cand, axis=1, stable=True).astype(jnp.int32)  # [Hs, C2] candidates first
+  n_cand = jnp.sum(cand, axis=1).astype(jnp.int32)
+  rows = kvh[:, None]
+  cc = c2[rows, order]                                             # [Hs, C2, d]
+  nc = jnp.where(jnp.arange(c2.shape[1])[None, :] < n_cand[:, None], n2[rows, order], 0)
+  s2c = lookup_prefill_scores(q, cc, nc, n_cand, scale=scale, groups=hs, cfg=cfg, backend=be)
+  s2 = jnp.zeros_like(s2c).at[jnp.arange(hs)[:, None], order].set(s2c)
   s2 = jnp.where(cand, s2, 0.0)
-  return s2, s1, cand, (num_c1 + jnp.sum(cand, axis=1)).astype(jnp.int32)
+  return s2, s1, cand, (num_c1 + n_cand).astype(jnp.int32)
 
 
 def _finish(s2, cand, t2):

@@ -24,3 +24,18 @@ def test_lookup_sweep_cpu_smoke(tmp_path):
     assert res["best"]["ms"] == min(r["ms"] for r in res["rows"])
     assert res["speedup_best_vs_default"] >= 1.0
     assert "Fastest passing" in (tmp_path / "lookup_sweep.md").read_text()
+
+
+def test_lookup_decode_sweep_cpu_smoke(tmp_path):
+    """--decode: 1-level and hierarchical decode lookups, each config checked against its reference."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.lookup_sweep", "--decode", "--cpu-smoke", "--out",
+                        str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads((tmp_path / "lookup_decode_sweep.json").read_text())
+    assert len(res["rows"]) == 2
+    for row in res["rows"]:
+        assert row["one_level_pass"] and row["hierarchical_pass"] and row["touched_max_diff"] == 0, row
+        assert row["one_level_ms"] > 0 and row["hierarchical_ms"] > 0
+    assert 0 < res["touched_ref_mean"] < res["level2_rows"]      # level 1 prunes
+    assert res["best_ratio"] > 0 and "Fastest 1-level" in (tmp_path / "lookup_decode_sweep.md").read_text()
