@@ -66,13 +66,17 @@ class DecodePlan:
     keep_parents: float = 0.3   # fraction of level-1 clusters T1 keeps (on the timed query)
     reps: int = 5
     backend: str = "pallas"
-    block_c: tuple = (64, 128, 256)
-    num_warps: tuple = (2, 4, 8)
+    # (block_c, num_warps, num_stages, level-2 blocks per program, written out); the 1-level
+    # lookup is timed for the configs with one block per program
+    configs: tuple = ((128, 4, 2, 1, False), (64, 2, 2, 1, False), (64, 4, 2, 1, False), (256, 4, 2, 1, False),
+                      (128, 4, 2, 2, False), (128, 4, 2, 4, False), (128, 4, 3, 4, False), (128, 4, 2, 2, True),
+                      (128, 4, 2, 4, True), (64, 4, 2, 4, False), (64, 4, 3, 4, False), (64, 4, 2, 4, True),
+                      (64, 4, 2, 8, False), (64, 2, 2, 8, True), (256, 8, 2, 2, True))
 
 
 def decode_cpu_plan() -> DecodePlan:
-    return DecodePlan(length=4096, hq=4, hkv=2, d=32, reps=1, backend="interpret", block_c=(16, 32),
-                      num_warps=(4,))
+    return DecodePlan(length=4096, hq=4, hkv=2, d=32, reps=1, backend="interpret",
+                      configs=((16, 4, 2, 1, False), (32, 4, 2, 2, True), (16, 4, 2, 3, False)))
 
 
 def decode_inputs(plan: DecodePlan, seed: int = 0):
@@ -116,12 +120,15 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
         return float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
     rows = []
-    for bc, w in itertools.product(plan.block_c, plan.num_warps):
-        cfg = CentroidLookupConfig(block_c=bc, num_warps=w)
-        row = {"block_c": bc, "num_warps": w, "default": cfg == CentroidLookupConfig()}
-        for name, fn, args, ref in (
-                ("one_level", centroid_lookup_decode, o_args, ref1),
-                ("hierarchical", hierarchical_lookup_decode, h_args, refh)):
+    for bc, w, st, blocks, unroll in plan.configs:
+        cfg = CentroidLookupConfig(block_c=bc, num_warps=w, num_stages=st, level2_blocks=blocks,
+                                   level2_unroll=unroll)
+        row = {"block_c": bc, "num_warps": w, "num_stages": st, "level2_blocks": blocks, "level2_unroll": unroll,
+               "default": cfg == CentroidLookupConfig()}
+        variants = [("hierarchical", hierarchical_lookup_decode, h_args, refh)]
+        if blocks == 1:  # the level-2 settings do not touch the 1-level kernel
+            variants.insert(0, ("one_level", centroid_lookup_decode, o_args, ref1))
+        for name, fn, args, ref in variants:
             try:
                 f = jax.jit(lambda *a, fn=fn, cfg=cfg: fn(*a, scale=x["scale"], backend=plan.backend, config=cfg))
                 out = f(*args)
@@ -141,7 +148,7 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
         key = "busy_ms" if "one_level_busy_ms" in row else "ms"
         if f"hierarchical_{key}" in row and f"one_level_{key}" in row:
             row["ratio"] = row[f"hierarchical_{key}"] / row[f"one_level_{key}"]
-        log(f"block_c {bc}, {w} warps: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
+        log(f"block_c {bc}, {w} warps, {st} stages, {blocks} level-2 blocks/program{' unrolled' if unroll else ''}: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
             f"{row.get('hierarchical_' + key, float('nan')):.4f} ms ({key}), ratio {row.get('ratio', float('nan')):.2f}"
             + "".join(f"; {k}: {v[:80]}" for k, v in row.items() if k.endswith("_error")))
         rows.append(row)
@@ -154,6 +161,9 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
         if ok:
             res[f"best_{name}"] = min(ok, key=lambda r: r[f"{name}_{key}"])
     if "best_one_level" in res and "best_hierarchical" in res:
+        for r in rows:  # every hierarchical config against the fastest 1-level one
+            if f"hierarchical_{key}" in r:
+                r["ratio_vs_best_one_level"] = r[f"hierarchical_{key}"] / res["best_one_level"][f"one_level_{key}"]
         res["best_ratio"] = res["best_hierarchical"][f"hierarchical_{key}"] / res["best_one_level"][f"one_level_{key}"]
     res["timing"] = key
     return res
@@ -168,17 +178,20 @@ def decode_to_markdown(res: dict) -> str:
           f"bf16; T1 keeps {p['keep_parents']:.0%} of the level-1 clusters: centroid rows scored "
           f"{res['touched_ref_mean']:.0f} of {res['level2_rows']} (hierarchical / 1-level "
           f"{res['touched_ref_mean'] / res['level2_rows']:.2f}). Times: {what}, median of {p['reps']}.", "",
-          "| block_c | warps | 1-level ms | hierarchical ms | ratio | 1-level err | hierarchical err | |",
-          "|---|---|---|---|---|---|---|---|"]
+          "| block_c | warps | stages | level-2 blocks / program | 1-level ms | hierarchical ms | hierarchical / "
+          "fastest 1-level | 1-level err | hierarchical err | |", "|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in res["rows"]:
-        md.append(f"| {r['block_c']} | {r['num_warps']} | {r.get('one_level_' + key, float('nan')):.4f} | "
-                  f"{r.get('hierarchical_' + key, float('nan')):.4f} | {r.get('ratio', float('nan')):.2f} | "
-                  f"{r.get('one_level_err', float('nan')):.1e} | {r.get('hierarchical_err', float('nan')):.1e} | "
-                  f"{'default' if r['default'] else ''} |")
+        md.append(f"| {r['block_c']} | {r['num_warps']} | {r['num_stages']} | {r['level2_blocks']}"
+                  f"{' (unrolled)' if r['level2_unroll'] else ''} | {r.get('one_level_' + key, nan):.4f} | "
+                  f"{r.get('hierarchical_' + key, nan):.4f} | {r.get('ratio_vs_best_one_level', nan):.2f} | "
+                  f"{r.get('one_level_err', nan):.1e} | {r.get('hierarchical_err', nan):.1e} | "
+                  f"{'default' if r['default'] else ''}{' ' + r['hierarchical_error'][:60] if 'hierarchical_error' in r else ''} |")
     if "best_ratio" in res:
         b1, bh = res["best_one_level"], res["best_hierarchical"]
         md += ["", f"Fastest 1-level: block_c {b1['block_c']}, {b1['num_warps']} warps, {b1['one_level_' + key]:.4f} ms; "
-                   f"fastest hierarchical: block_c {bh['block_c']}, {bh['num_warps']} warps, "
+                   f"fastest hierarchical: block_c {bh['block_c']}, {bh['num_warps']} warps, {bh['num_stages']} stages, "
+                   f"{bh['level2_blocks']} level-2 blocks per program{' (unrolled)' if bh['level2_unroll'] else ''}, "
                    f"{bh['hierarchical_' + key]:.4f} ms → {res['best_ratio']:.2f}× the fastest 1-level."]
         for k in bh.get("hierarchical_kernels", [])[:5]:
             md.append(f"- `{k['name']}` {k['ms_per_call']:.4f} ms per call")

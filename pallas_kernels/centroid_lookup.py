@@ -62,6 +62,9 @@ class CentroidLookupConfig:
     reducing every tile over its tokens (a cross-thread reduction per iteration).
   score_block_t, score_block_c, score_warps: the prefill scoring pass's own tiling
     (None = the values above, which the statistics pass and decode use).
+  level2_blocks, level2_unroll: centroid blocks per program of the hierarchical
+    level-2 decode kernel (a loop, or written out), to overlap the dependent loads
+    (parent -> level-1 score -> row) of several blocks.
   """
   block_c: int = 128
   block_t: int = 64
@@ -71,6 +74,8 @@ class CentroidLookupConfig:
   score_block_t: int | None = None
   score_block_c: int | None = None
   score_warps: int | None = None
+  level2_blocks: int = 1
+  level2_unroll: bool = False
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -81,6 +86,8 @@ class CentroidLookupConfig:
         cm.check_pow2(name, getattr(self, name))
     if self.score_warps is not None:
       cm.check_warps_stages(self.score_warps, self.num_stages)
+    if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
+      raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
 
 
 _LOG2E = 1.4426950408889634
@@ -108,21 +115,15 @@ def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None):
   return valid, cnt.astype(jnp.float32), c
 
 
-def _level2_live_from_stats(refs, *, kv, h0, j, num_c, num_p, group, r, nb1, nb1p, bc1):
-  """Level-2 rows ``j`` whose parent survives level 1, computed from the level-1 decode
-  kernel's raw outputs (no level-1 pass over HBM-sized tensors in between).
-
-  refs = (parent [Hkv * C2], n1 [Hkv * C1], e1 [Hkv * nB1 * g * Bc1], m1, l1
-  [Hkv * nB1 * g], t1 [1]); the group's query heads are h0 .. h0 + r - 1.
-  S1 = mean over the group's heads of e1 exp(m1_b - M) / D (Eq. 2); kept: S1 >= T1.
-  Tiles are [next_pow2(r), ...]: no dot here, so no 16-row padding.
-  """
-  parent_ref, n1_ref, e1_ref, m1_ref, l1_ref, t1_ref = refs
-  r2 = cm.next_pow2(r)
-  hr = jnp.arange(r2, dtype=jnp.int32)
+def _level1_stats(refs, *, kv, h0, group, r, nb1, nb1p):
+  """Each head's level-1 softmax statistics from the level-1 decode kernel's block
+  outputs: M = max_b m_b, 1 / D with D = sum_b l_b exp(m_b - M).  The group's query
+  heads are h0 .. h0 + r - 1; tiles are [next_pow2(r), ...] (no dot here, no padding
+  to 16).  Returns (row in the level-1 group [r2], real head [r2], M [r2], 1/D [r2])."""
+  _, _, _, m1_ref, l1_ref, _ = refs
+  hr = jnp.arange(cm.next_pow2(r), dtype=jnp.int32)
   hv = hr < r
-  row1 = cm.krem(h0 + hr, group)                                  # [r2] row in the level-1 group
-  # the level-1 softmax statistics of each head: M = max_b m_b, D = sum_b l_b exp(m_b - M)
+  row1 = cm.krem(h0 + hr, group)
   b1 = jnp.arange(nb1p, dtype=jnp.int32)
   bm = (b1[:, None] < nb1) & hv[None, :]
   bi = jnp.where(bm, (kv * nb1 + b1[:, None]) * group + row1[None, :], 0)
@@ -130,8 +131,18 @@ def _level2_live_from_stats(refs, *, kv, h0, j, num_c, num_p, group, r, nb1, nb1
   l1 = plgpu.load(l1_ref.at[bi], mask=bm, other=0.0)
   mx = jnp.max(m1, axis=0)                                        # [r2]
   den = jnp.sum(l1 * jnp.exp(m1 - mx[None, :]), axis=0)
-  inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-  # each row's parent: its level-1 score
+  return row1, hv, mx, jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def _level2_live(refs, stats, *, kv, j, num_c, num_p, group, r, nb1, bc1):
+  """Level-2 rows ``j`` whose parent survives level 1 (Eq. 2 with the group vote:
+  S1 = mean over the group's heads of e1 exp(m1_b - M) / D; kept: N1 > 0, S1 >= T1).
+
+  refs = (parent [Hkv * C2], n1 [Hkv * C1], e1 [Hkv * nB1 * g * Bc1], m1, l1
+  [Hkv * nB1 * g], t1 [1]): the level-1 kernel's raw outputs, read from L2.
+  """
+  parent_ref, n1_ref, e1_ref, m1_ref, _, t1_ref = refs
+  row1, hv, mx, inv = stats
   cv = j < num_c
   par = cm.gather_vec(parent_ref, kv * num_c + j, cv, other=-1)  # [Bc]
   pv = cv & (par >= 0) & (par < num_p)
@@ -150,37 +161,53 @@ def _decode_kernel(q_ref,      # [Hq, d]
                    c_ref,      # [Hkv * C, d]
                    n_ref,      # [Hkv * C] int32
                    *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
-                   scale, num_c, group, r, rp, block_c, d, level1=None):
-  """One program per (group, centroid block).  ``level1`` = (nB1, nB1p, Bc1, C1): level
-  2 of a hierarchical lookup; rows are live only where their parent survives (computed
-  here from the level-1 kernel's raw outputs) and the live rows are reported."""
+                   scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False):
+  """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
+  C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
+  (computed here from the level-1 kernel's raw outputs) and the live rows are
+  reported.  ``blocks`` > 1: a loop (``unroll``: written out) over that many blocks."""
   grp = pl.program_id(0)
-  cb = pl.program_id(1)
+  pb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   hr = jnp.arange(rp, dtype=jnp.int32)
-  q = cm.gather_rows(q_ref, grp * r + hr, d, hr < r)              # [rp, d]
-  j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  live = live_ref = None
+  hv = hr < r
+  q = cm.gather_rows(q_ref, grp * r + hr, d, hv)                  # [rp, d]
   if level1 is not None:
     nb1, nb1p, bc1, num_p = level1
     e_ref, m_ref, l_ref, live_ref = refs[6:]
-    live = _level2_live_from_stats(refs[:6], kv=kv, h0=grp * r, j=j, num_c=num_c, num_p=num_p,
-                                   group=group, r=r, nb1=nb1, nb1p=nb1p, bc1=bc1)
+    stats = _level1_stats(refs[:6], kv=kv, h0=grp * r, group=group, r=r, nb1=nb1, nb1p=nb1p)
   else:
-    e_ref, m_ref, l_ref = refs
-  valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live)
-  s = plgpu.dot(q, c, trans_b=True) * scale                       # [rp, Bc] f32
-  s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
-  m = jnp.max(s, axis=1)                                          # [rp]
-  e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)     # [rp, Bc]
-  l = jnp.sum(e * cnt[None, :], axis=1)                           # [rp]
-  # Only the r real query rows are stored (outputs are [G, nB, r, ...]).
-  hv = hr < r
-  plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=hv[:, None])
-  plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=hv)
-  plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=hv)
-  if live_ref is not None:
-    live_ref[grp, pl.ds(cb * block_c, block_c)] = valid.astype(jnp.int32)
+    (e_ref, m_ref, l_ref), live_ref = refs, None
+
+  def one(cb):
+    j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
+    live = None
+    if level1 is not None:
+      live = _level2_live(refs[:6], stats, kv=kv, j=j, num_c=num_c, num_p=num_p, group=group, r=r,
+                          nb1=nb1, bc1=bc1)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live)
+    s = plgpu.dot(q, c, trans_b=True) * scale                     # [rp, Bc] f32
+    s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
+    m = jnp.max(s, axis=1)                                        # [rp]
+    e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)   # [rp, Bc]
+    l = jnp.sum(e * cnt[None, :], axis=1)                         # [rp]
+    # Only the r real query rows are stored (outputs are [G, nB, r, ...]).
+    plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=hv[:, None])
+    plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=hv)
+    plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=hv)
+    if live_ref is not None:
+      live_ref[grp, pl.ds(cb * block_c, block_c)] = valid.astype(jnp.int32)
+
+  if blocks == 1:
+    one(pb)
+  elif unroll:
+    for u in range(blocks):
+      one(pb * blocks + u)
+  else:
+    def body(u, carry):
+      one(pb * blocks + u)
+      return carry
+    lax.fori_loop(0, blocks, body, jnp.int32(0))
 
 
 def _stats_kernel(q_ref,      # [Hq * T, d]
@@ -303,7 +330,8 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   rp = max(16, cm.next_pow2(r))
   dp = cm.padded_head_dim(d)
   block_c = min(cfg.block_c, max(16, cm.next_pow2(num_c)))
-  nb = cm.cdiv(num_c, block_c)
+  blocks = cfg.level2_blocks if level1 is not None else 1
+  nb = cm.cdiv(cm.cdiv(num_c, block_c), blocks) * blocks      # padded blocks hold no row
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
   outs = [
       jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
@@ -319,10 +347,10 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
     outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-      block_c=block_c, d=dp, level1=lv)
+      block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(groups, nb), out_shape=outs,
+      grid=(groups, nb // blocks), out_shape=outs,
       name="centroid_lookup_decode" if level1 is None else "centroid_lookup_decode_level2",
   )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
   return (*res, None) if len(res) == 3 else tuple(res)

@@ -216,3 +216,23 @@ def test_validation_errors(rng):
   with pytest.raises(ValueError, match="int32"):
     hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent.astype(jnp.float32), 0.0, 0.0,
                                scale=1.0)
+
+
+@pytest.mark.parametrize("blocks,unroll", [(2, False), (3, True), (4, False)])
+def test_decode_level2_blocks_per_program(rng, blocks, unroll):
+  """Several level-2 blocks per program (a loop, or written out; the block count is padded
+  up to a multiple) give the one-block-per-program result."""
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 1, 11, 150, 32, jnp.float32, parent_major=True)
+  q = q[:, 0]
+  t1, t2 = thresholds(q, c1, n1, "kv", 0.2)
+  base = CentroidLookupConfig(block_c=16)
+  want = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret",
+                                    config=base)
+  got = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret",
+                                   config=CentroidLookupConfig(block_c=16, level2_blocks=blocks,
+                                                               level2_unroll=unroll))
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-9)
+  np.testing.assert_array_equal(got[2], want[2])
+  _, rsc, _ = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
+  np.testing.assert_allclose(got[1], rsc, rtol=3e-5, atol=1e-8)
