@@ -17,9 +17,10 @@ keeps one set per query head (``Hs = Hq``).
 Prefill (``T`` query tokens): ``S`` is averaged over the ``T`` tokens (App. D).
 Kernel A (grid: query head x token block) makes one pass over the centroids for the
 per-token softmax statistics (running max and denominator); kernel B (grid:
-selection head x centroid block) loads each centroid block once and accumulates the
-normalised scores over the group's heads and all tokens.  No ``[H, C, T]`` tensor is
-ever written to HBM.
+centroid block x selection head x split) loads each centroid block once and
+accumulates the normalised scores over the group's heads and tokens (its share of
+them when a few centroid blocks are split over several programs; the partial sums are
+added after).  No ``[H, C, T]`` tensor is ever written to HBM.
 
 Decode (one token): a single pass, parallel over centroid blocks (grid: KV head x
 centroid block) so that batch 1 fills the GPU.  Each program stores
@@ -62,6 +63,8 @@ class CentroidLookupConfig:
     reducing every tile over its tokens (a cross-thread reduction per iteration).
   score_block_t, score_block_c, score_warps: the prefill scoring pass's own tiling
     (None = the values above, which the statistics pass and decode use).
+  score_splits: programs sharing one centroid block's tiles in the prefill scoring pass
+    (partial sums added after it); None = enough for ~1024 programs (``score_splits``).
   level2_blocks, level2_unroll: centroid blocks per program of the hierarchical
     level-2 decode kernel (a loop, or written out), to overlap the dependent loads
     (parent -> level-1 score -> row) of several blocks.
@@ -76,6 +79,7 @@ class CentroidLookupConfig:
   score_warps: int | None = None
   level2_blocks: int = 1
   level2_unroll: bool = False
+  score_splits: int | None = None
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -86,6 +90,8 @@ class CentroidLookupConfig:
         cm.check_pow2(name, getattr(self, name))
     if self.score_warps is not None:
       cm.check_warps_stages(self.score_warps, self.num_stages)
+    if self.score_splits is not None and (not isinstance(self.score_splits, int) or self.score_splits < 1):
+      raise ValueError(f"score_splits must be a positive int or None, got {self.score_splits!r}")
     if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
       raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
 
@@ -257,12 +263,13 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   ms_ref,     # [Hq, Tp] f32 (kernel A)
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
-                  *refs,      # (n_valid [G])?, out [G, nB * Bc]
+                  *refs,      # (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False):
+                  tile_acc=False, splits=1):
   (nv_ref, o_ref) = refs if bounded else (None, refs[0])
   cb = pl.program_id(0)   # centroid blocks fastest: concurrent programs share the queries
   grp = pl.program_id(1)
+  z = pl.program_id(2)    # which share of the (head, token block) tiles this program sums
   kv = cm.kdiv(grp * r, group)
   j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
   n = jnp.clip(nv_ref[grp], 0, num_c) if bounded else num_c
@@ -288,15 +295,18 @@ def _score_kernel(q_ref,      # [Hq * T, d]
 
   # a block past the group's bound does no work (its output is zero)
   active = cb * block_c < n
+  total = r * n_tb
+  chunk = cm.cdiv(total, splits)
   # explicit int32 bounds: a Python-int branch of jnp.where lowers to a different integer
   # type than the loop's lower bound and Triton rejects the scf.for (seen on H200)
-  n_it = jnp.where(active, jnp.int32(r * n_tb), jnp.int32(0)).astype(jnp.int32)
+  start = (z * chunk).astype(jnp.int32)
+  stop = jnp.where(active, jnp.minimum(start + chunk, jnp.int32(total)), start).astype(jnp.int32)
   acc0 = jnp.zeros((block_t, block_c) if tile_acc else (block_c,), jnp.float32)
-  acc = lax.fori_loop(jnp.int32(0), n_it, body, acc0)
+  acc = lax.fori_loop(start, jnp.maximum(stop, start), body, acc0)
   if tile_acc:
     acc = jnp.sum(acc, axis=0)
   acc = jnp.where(valid, acc, 0.0)   # once per program instead of once per tile
-  o_ref[grp, pl.ds(cb * block_c, block_c)] = acc * (1.0 / (r * seq_len))
+  o_ref[grp, z, pl.ds(cb * block_c, block_c)] = acc * (1.0 / (r * seq_len))
 
 
 # ----------------------------------------------------------------------------
@@ -414,15 +424,27 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
       out_shape=[jax.ShapeDtypeStruct((hq, t_pad), jnp.float32)] * 2,
       name="centroid_lookup_stats",
   )(q_flat, c_flat, n_flat, *extra)
+  n_tb = cm.cdiv(seq_len, bt_b)
+  splits = score_splits(cfg, nb * groups, r * n_tb, n_valid is not None)
   avg = pallas_call(
-      functools.partial(_score_kernel, n_tb=cm.cdiv(seq_len, bt_b), tile_acc=cfg.tile_acc,
+      functools.partial(_score_kernel, n_tb=n_tb, tile_acc=cfg.tile_acc, splits=splits,
                         block_t=bt_b, block_c=bc_b, **common), backend=backend,
       num_warps=cfg.score_warps or cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(nb, groups),
-      out_shape=jax.ShapeDtypeStruct((groups, nb * bc_b), jnp.float32),
+      grid=(nb, groups, splits),
+      out_shape=jax.ShapeDtypeStruct((groups, splits, nb * bc_b), jnp.float32),
       name="centroid_lookup_scores",
   )(q_flat, c_flat, n_flat, m, l, *extra)
-  return avg[:, :num_c]
+  return jnp.sum(avg, axis=1)[:, :num_c]
+
+
+def score_splits(cfg: CentroidLookupConfig, programs: int, tiles: int, bounded: bool) -> int:
+  """How many programs share one centroid block's (head, token block) tiles in the scoring
+  pass.  ``cfg.score_splits`` if set; else enough for ~1024 programs (8192 for a bounded,
+  compacted candidate set, where most of the grid is past the bound and exits at once),
+  so that a few centroid blocks (a level-1 pass, a hierarchical level 2) still fill the GPU."""
+  if cfg.score_splits is not None:
+    return max(1, min(cfg.score_splits, tiles))
+  return max(1, min(tiles, (8192 if bounded else 1024) // max(programs, 1)))
 
 
 # ----------------------------------------------------------------------------

@@ -214,3 +214,27 @@ def test_prefill_tile_accumulation_matches_reference(rng, vote):
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[jnp.float32])
   check_selected(sel, got, thr, ref, 1e-6)
   assert np.all(np.isfinite(np.asarray(got)))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_prefill_score_splits_match_reference(rng, splits):
+  """The scoring pass's tiles shared by `splits` programs per centroid block (partial sums
+  added after; 64 > the 3 x 4 tiles there are: clipped) give the same Eq. 1 averages."""
+  q, cent, counts = make_inputs(rng, 8, 2, 45, 50, 32, jnp.float32)
+  _, ref = centroid_lookup_reference(q, cent, counts, jnp.float32(0.0), scale=0.2)
+  for tile_acc in (False, True):
+    cfg = CentroidLookupConfig(block_c=16, block_t=16, tile_acc=tile_acc, score_splits=splits)
+    _, got = centroid_lookup_prefill(q, cent, counts, jnp.float32(0.0), scale=0.2, backend="interpret", config=cfg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[jnp.float32])
+
+
+def test_score_splits_rule():
+  from pallas_kernels.centroid_lookup import score_splits
+  cfg = CentroidLookupConfig()
+  assert score_splits(cfg, 1640, 256, False) == 1        # 1-level at 512K: the grid is full already
+  assert score_splits(cfg, 328, 256, False) == 3         # level 1 at 512K: 41 blocks x 8 heads
+  assert score_splits(cfg, 1640, 256, True) == 4         # compacted level 2: most programs exit at once
+  assert score_splits(cfg, 4, 3, False) == 3             # never more shares than tiles
+  assert score_splits(CentroidLookupConfig(score_splits=2), 4, 100, False) == 2
+  with pytest.raises(ValueError, match="score_splits"):
+    CentroidLookupConfig(score_splits=0)
