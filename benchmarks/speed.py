@@ -297,6 +297,17 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
                 if tr:
                     row["kernel_busy_ms"] = tr["busy_ms_per_call"]
                     row["kernels"] = tr["kernels"]
+        else:  # prefill: where the time goes, from a profiler trace (GPU only)
+            tr = kernel_time_per_call(functools.partial(kern, lookup_only=True), [(kidx, layout, *s) for s in sets],
+                                      n=3, top=8)
+            if tr:
+                row["prefill_lookup_busy_ms"] = tr["busy_ms_per_call"]
+                row["prefill_lookup_kernels"] = tr["kernels"]
+            tr = kernel_time_per_call(kern if kernel else lib, [((kidx, layout) if kernel else (index,)) + s
+                                                                for s in sets], n=3, top=8)
+            if tr:
+                row["prefill_busy_ms"] = tr["busy_ms_per_call"]
+                row["prefill_kernels"] = tr["kernels"]
         row["path"] = _PATHS.get(method.name) or ("fused clustered decode kernel" if kernel else "lookup + retrieve + "
                                                   + ("sparse attention" if t == 1 else "gather + cuDNN"))
         o, rows_, meta_, over = lib(index, *sets[0])
@@ -832,6 +843,18 @@ def to_markdown(res: dict) -> str:
                       f"{_f(busy, 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
                       f"{_f(best / busy if best and busy else None, 2, '×')} | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.4f}" for k in r.get("kernels", [])[:4]) + " |")
+        md.append("")
+    pre = [r for r in rows if "prefill_busy_ms" in r]
+    if pre:
+        md += ["## Prefill, kernel time per call (profiler trace of 3 calls)", "",
+               "| Hq/Hkv | L | phase | method | lookup kernels ms | whole path kernels ms | largest kernels of the "
+               "whole path (ms per call) | largest lookup kernels |", "|---|---|---|---|---|---|---|---|"]
+        for r in pre:
+            md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['phase']} | {r['method']} | "
+                      f"{_f(r.get('prefill_lookup_busy_ms'))} | {_f(r['prefill_busy_ms'])} | "
+                      + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.3f}" for k in r["prefill_kernels"][:6]) + " | "
+                      + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.3f}"
+                                  for k in r.get("prefill_lookup_kernels", [])[:6]) + " |")
         md.append("")
     pairs = [(a, b) for a in traced for b in traced if a["method"] == "squeezed" and b["method"] == "hsqueezed"
              and (a["Hq"], a["Hkv"], a["L"], a["sparsity"]) == (b["Hq"], b["Hkv"], b["L"], b["sparsity"])

@@ -96,6 +96,18 @@ def _candidates(keep1, parent, n2, kvh):
   return ok & jnp.take_along_axis(keep1, jnp.clip(par, 0, num_c1 - 1), axis=1) & (n2[kvh] > 0)
 
 
+def _candidates_first(cand):
+  """A permutation per row putting the candidates first, each part in level-2 order, and
+  their count: ([Hs, C2] int32, [Hs] int32).  Two prefix sums and a scatter (no sort)."""
+  hs, num_c2 = cand.shape
+  c = cand.astype(jnp.int32)
+  n_cand = jnp.sum(c, axis=1)
+  pos = jnp.where(cand, jnp.cumsum(c, axis=1) - 1, n_cand[:, None] + jnp.cumsum(1 - c, axis=1) - 1)
+  order = jnp.zeros((hs, num_c2), jnp.int32).at[jnp.arange(hs)[:, None], pos].set(
+      jnp.broadcast_to(jnp.arange(num_c2, dtype=jnp.int32), (hs, num_c2)), unique_indices=True)
+  return order, n_cand.astype(jnp.int32)
+
+
 def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
   """-> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], n_touched [Hs])."""
   hq = q.shape[0]
@@ -118,8 +130,7 @@ def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
   # run over them with affine, pipelined loads and stop after the last one (Eq. 3).
   s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be)
   cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)
-  order = jnp.argsort(~cand, axis=1, stable=True).astype(jnp.int32)  # [Hs, C2] candidates first
-  n_cand = jnp.sum(cand, axis=1).astype(jnp.int32)
+  order, n_cand = _candidates_first(cand)                          # [Hs, C2], [Hs]
   rows = kvh[:, None]
   cc = c2[rows, order]                                             # [Hs, C2, d]
   nc = jnp.where(jnp.arange(c2.shape[1])[None, :] < n_cand[:, None], n2[rows, order], 0)
