@@ -65,6 +65,9 @@ class CentroidLookupConfig:
     (None = the values above, which the statistics pass and decode use).
   score_splits: programs sharing one centroid block's tiles in the prefill scoring pass
     (partial sums added after it); None = enough for ~1024 programs (``score_splits``).
+  stats_splits: programs sharing one (token block, head)'s centroid blocks in the
+    statistics pass of a bounded (compacted level-2) call, their (max, denominator)
+    combined after; None = 2.  Unbounded calls always use one.
   level2_blocks, level2_unroll: centroid blocks per program of the hierarchical
     level-2 decode kernel (a loop, or written out), to overlap the dependent loads
     (parent -> level-1 score -> row) of several blocks.
@@ -80,6 +83,7 @@ class CentroidLookupConfig:
   level2_blocks: int = 1
   level2_unroll: bool = False
   score_splits: int | None = None
+  stats_splits: int | None = None
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -90,8 +94,10 @@ class CentroidLookupConfig:
         cm.check_pow2(name, getattr(self, name))
     if self.score_warps is not None:
       cm.check_warps_stages(self.score_warps, self.num_stages)
-    if self.score_splits is not None and (not isinstance(self.score_splits, int) or self.score_splits < 1):
-      raise ValueError(f"score_splits must be a positive int or None, got {self.score_splits!r}")
+    for name in ("score_splits", "stats_splits"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or v < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
       raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
 
@@ -219,14 +225,15 @@ def _decode_kernel(q_ref,      # [Hq, d]
 def _stats_kernel(q_ref,      # [Hq * T, d]
                   c_ref,      # [Hkv * C, d]
                   n_ref,      # [Hkv * C] int32
-                  *refs,      # (n_valid [G])?, m [Hq, Tp], l [Hq, Tp]
-                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded):
+                  *refs,      # (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
+                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1):
   if bounded:
     nv_ref, m_ref, l_ref = refs
   else:
     m_ref, l_ref = refs
   tb = pl.program_id(0)   # token blocks fastest: concurrent programs share the centroids
   h = pl.program_id(1)
+  z = pl.program_id(2)    # which share of the centroid blocks (bounded calls)
   grp = cm.kdiv(h, r)
   kv = cm.kdiv(h, group)
   t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
@@ -251,11 +258,15 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   m0 = jnp.full((block_t,), cm.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_t,), jnp.float32)
   if bounded:  # traced trip count: int32 bounds on both ends (see the scoring pass)
-    m, l = lax.fori_loop(jnp.int32(0), cm.kcdiv(n, block_c).astype(jnp.int32), body, (m0, l0))
+    nblk = cm.kcdiv(n, block_c)
+    chunk = cm.kcdiv(nblk, splits)
+    start = (z * chunk).astype(jnp.int32)
+    stop = jnp.maximum(jnp.minimum(start + chunk, nblk), start).astype(jnp.int32)
+    m, l = lax.fori_loop(start, stop, body, (m0, l0))
   else:
     m, l = lax.fori_loop(0, cm.cdiv(num_c, block_c), body, (m0, l0))
-  m_ref[h, pl.ds(tb * block_t, block_t)] = m
-  l_ref[h, pl.ds(tb * block_t, block_t)] = l
+  m_ref[z, h, pl.ds(tb * block_t, block_t)] = m
+  l_ref[z, h, pl.ds(tb * block_t, block_t)] = l
 
 
 def _score_kernel(q_ref,      # [Hq * T, d]
@@ -417,13 +428,20 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   extra = [] if n_valid is None else [n_valid.astype(jnp.int32)]
   common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
                 bounded=n_valid is not None)
+  ssplits = 1 if n_valid is None else (cfg.stats_splits or 2)
   m, l = pallas_call(
-      functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, **common), backend=backend,
-      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(t_pad // bt_a, hq),
-      out_shape=[jax.ShapeDtypeStruct((hq, t_pad), jnp.float32)] * 2,
+      functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, **common),
+      backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      grid=(t_pad // bt_a, hq, ssplits),
+      out_shape=[jax.ShapeDtypeStruct((ssplits, hq, t_pad), jnp.float32)] * 2,
       name="centroid_lookup_stats",
   )(q_flat, c_flat, n_flat, *extra)
+  if ssplits == 1:
+    m, l = m[0], l[0]
+  else:  # combine the shares' (max, denominator), base-2 units
+    mx = jnp.max(m, axis=0)
+    l = jnp.sum(l * jnp.exp2(m - mx[None]), axis=0)
+    m = mx
   n_tb = cm.cdiv(seq_len, bt_b)
   splits = score_splits(cfg, nb * groups, r * n_tb, n_valid is not None)
   avg = pallas_call(

@@ -236,3 +236,17 @@ def test_decode_level2_blocks_per_program(rng, blocks, unroll):
   np.testing.assert_array_equal(got[2], want[2])
   _, rsc, _ = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
   np.testing.assert_allclose(got[1], rsc, rtol=3e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("stats_splits", [1, 3])
+def test_prefill_statistics_splits(rng, stats_splits):
+  """The level-2 statistics pass over the compacted candidates shared by several programs
+  per (token block, head) (their max / denominator combined after) gives the reference."""
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 19, 9, 140, 32, jnp.float32, parent_major=True)
+  t1, t2 = thresholds(q, c1, n1, "kv", 0.2)
+  cfg = CentroidLookupConfig(block_c=16, block_t=16, stats_splits=stats_splits)
+  _, sc, nt = hierarchical_lookup_prefill(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret",
+                                          config=cfg)
+  _, rsc, rnt = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
+  np.testing.assert_array_equal(nt, rnt)
+  np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-8)
