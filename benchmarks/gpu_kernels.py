@@ -69,6 +69,8 @@ from pallas_kernels import clustered_attention as clat
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
                                                 clustered_decode_attention,
                                                 clustered_decode_attention_reference,
+                                                clustered_decode_selected,
+                                                clustered_decode_selected_reference,
                                                 clustered_prefill_attention,
                                                 clustered_prefill_attention_reference)
 
@@ -453,12 +455,24 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     return (float("inf") if bad else err), {"selection_flips": flips, "rows_max_diff": rows_diff,
                                             "nan": nan}
 
+  def selected_case(vote):
+    """The attention kernel over a given selection (what hierarchical decode feeds it): the
+    reference's own selection, unselected rows poisoned."""
+    args = inputs(vote, False)
+    _, rsel, _ = clustered_decode_attention_reference(*args, scale=scale, vote=vote, return_stats=True)
+    sargs = (*args[:3], args[4], rsel, *args[6:])
+    out = clustered_decode_selected(*sargs, scale=scale, vote=vote, backend=be)
+    ref = clustered_decode_selected_reference(*sargs, scale=scale)
+    nan = bool(np.isnan(np.asarray(out, np.float32)).any())
+    return (float("inf") if nan else rel_err(out, ref)), {"nan": nan}
+
   check = functools.partial(_run_check, log, results)
 
   check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
   check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)
   if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the two above
     check("clustered_decode vote=q poisoned", lambda: case("q", False), 2e-2)
+    check("clustered_decode_selected vote=kv poisoned", lambda: selected_case("kv"), 2e-2)
     if plan.checks == "full":
       check("clustered_prefill vote=q poisoned", lambda: case("q", True), 3e-2)
   return results

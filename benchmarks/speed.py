@@ -206,7 +206,8 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
     """A method's lookup alone (`lookup_only`), or its decode on its own Pallas kernels.
 
     Squeezed: centroid-lookup kernel (Eq. 1) / fused clustered decode over `layout` (cluster-
-    sorted K, V, offsets). QUEST: page-score kernel + top-K pages / + page-sparse decode kernel.
+    sorted K, V, offsets); hierarchical: the hierarchical lookup kernels (Eq. 2-3) / their
+    selection attended by the same clustered attention kernel. QUEST: page-score kernel + top-K pages / + page-sparse decode kernel.
     SAAP: nearest-centroid top-ℓ buckets (q taken as de-roped) / + bucket attention kernel.
     Arrays are arguments, never closure constants (those would be baked into the program).
     """
@@ -234,6 +235,10 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
         if lookup_only:
             return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote)[0]
         ks, vs, off = layout
+        if li.centroids1.shape[-2]:  # hierarchical: its lookup kernels select, the clustered kernel attends
+            return dispatch.clustered_decode_hierarchical(q, ks, vs, off, li.centroids, li.centroids1, li.counts1,
+                                                          li.counts, li.parent, index.threshold1, index.threshold,
+                                                          kn, vn, qp, kp, scale, method.vote)
         return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
                                          method.vote)
 
@@ -308,7 +313,9 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
             if tr:
                 row["prefill_busy_ms"] = tr["busy_ms_per_call"]
                 row["prefill_kernels"] = tr["kernels"]
-        row["path"] = _PATHS.get(method.name) or ("fused clustered decode kernel" if kernel else "lookup + retrieve + "
+        fused_name = ("hierarchical lookup kernels + clustered attention kernel" if method.name == "hsqueezed"
+                      else "fused clustered decode kernel")
+        row["path"] = _PATHS.get(method.name) or (fused_name if kernel else "lookup + retrieve + "
                                                   + ("sparse attention" if t == 1 else "gather + cuDNN"))
         o, rows_, meta_, over = lib(index, *sets[0])
         if kernel:  # the timed kernel path computes what the library path does (same selection)
@@ -425,11 +432,12 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
         except Exception as e:  # noqa: BLE001
             log(f"[index] L={length} {hq}/{hkv} {m.name}: ERROR {_err(e)}")
             traceback.print_exc()
-    layout = None
-    if "squeezed" in built:  # 1-level: the cluster-contiguous layout the fused decode kernel reads
-        idx0 = next(iter(built["squeezed"][1].values()))
-        layout = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
-                                     num_clusters=idx0.layers.counts.shape[-1])[:3]
+    layouts = {}  # the cluster-contiguous layout the fused decode kernel reads (1- and 2-level)
+    for name in ("squeezed", "hsqueezed"):
+        if name in built:
+            idx0 = next(iter(built[name][1].values()))
+            layouts[name] = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
+                                                num_clusters=idx0.layers.counts.shape[-1])[:3]
     phases = [("decode", 1)] + [(f"prefill_{t // 1024}k" if t >= 1024 else f"prefill_{t}", t) for t in plan.prefill]
     phases = [p for p in phases if p[0].split("_")[0] in plan.phases]
     n_new = 1024 if not plan.cpu else 16
@@ -453,7 +461,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             for name in ("squeezed", "hsqueezed"):
                 if name in built and sp in built[name][1] and time.perf_counter() <= deadline:
                     m, idx = built[name]
-                    fused = layout if name == "squeezed" and t == 1 else None
+                    fused = layouts.get(name) if t == 1 else None
                     r = _method_row({**base, "method": name, "sparsity": sp, "hierarchical": name == "hsqueezed",
                                      "budget": f"sparsity {sp}, {2 if name == 'hsqueezed' else 1}-level",
                                      "C": int(idx[sp].layers.centroids.shape[2])},

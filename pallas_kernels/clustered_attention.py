@@ -478,6 +478,29 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
   return out, lse, sel, _rows_of_selection(sel, offsets, num_l)
 
 
+def _decode_selected_pallas(q, k, v, offsets, selected, k_new, v_new, q_pos, kv_pos_new, *, scale,
+                            vote, cfg: ClusteredConfig, backend):
+  """Kernel B alone over a selection made elsewhere (e.g. the hierarchical lookup).
+
+  The selection enters as indicator logits, x = 0 where a head's set holds the cluster and
+  MASK elsewhere, with one (M, D) = (0, 1) per head: the kernel's S = exp(x - M) / D is then
+  1 or 0 for every head of the set, and S > 1/2 (the group mean for vote "kv") selects
+  exactly ``selected``.  -> (o [Hq, d] f32, lse [Hq] f32)."""
+  hq, d = q.shape
+  hkv, num_l, _ = k.shape
+  num_c = offsets.shape[1] - 1
+  p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg)
+  p = dataclasses.replace(p, n_sa=16, n_sv=1)
+  per_q = jnp.repeat(selected, hq // selected.shape[0], axis=0).reshape(hkv, p.g, num_c)
+  x = cm.pad_axis(jnp.where(per_q, 0.0, cm.MASK_VALUE).astype(jnp.float32), 2, p.cx, cm.MASK_VALUE)
+  ms, ls = _head_stats_as_blocks(jnp.zeros((hkv, p.g), jnp.float32), jnp.ones((hkv, p.g), jnp.float32), 16)
+  o, m, l, _ = _attend_call(p, cm.pad_axis(q, 1, p.dp), offsets.reshape(-1), x, ms, ls, k, v,
+                            jnp.float32(0.5), k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                            return_stats=False, cfg=cfg, backend=backend)
+  out, lse = _merge(o, m, l)
+  return out[..., :d].reshape(hq, d), lse.reshape(hq)
+
+
 def _merge(o, m, l):
   """Log-sum-exp merge over axis 1 of [Hkv, P, g, dp] partials.
 
@@ -535,6 +558,17 @@ def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_p
   counts = _counts(offsets, num_l)
   sel, _ = centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote,
                                      reduce_stats=reduce_stats)
+  out, lse = _attend_selected(q, k, v, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
+  return out, lse, sel, _rows_of_selection(sel, offsets, num_l)
+
+
+def _attend_selected(q, k, v, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale):
+  """Exact attention of q [Hq, T, d] over the rows of the selected clusters sel [Hs, C], the
+  exact part and the visible new keys.  -> (o [Hq, T, d] f32, lse [Hq, T] f32)."""
+  hq, seq_len, d = q.shape
+  hkv, num_l, _ = k.shape
+  num_c = offsets.shape[1] - 1
+  g = hq // hkv
   hs = sel.shape[0]
   r = hq // hs
   cid = _row_cluster(offsets, num_l)                                  # [Hkv, L]
@@ -565,8 +599,7 @@ def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_p
   ok = den > 0
   out = jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
   lse = jnp.where(ok, mx[..., 0] + jnp.log(jnp.where(ok, den, 1.0)), -jnp.inf)
-  return (out.reshape(hq, seq_len, d), lse.reshape(hq, seq_len), sel,
-          _rows_of_selection(sel, offsets, num_l))
+  return out.reshape(hq, seq_len, d), lse.reshape(hq, seq_len)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
@@ -675,6 +708,58 @@ def clustered_decode_attention(
                                    cfg=config or ClusteredConfig(), backend=be)
   o = o.astype(q.dtype)
   return (o, sel, rows) if return_stats else o
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def clustered_decode_selected_reference(q, k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos,
+                                        kv_pos_new, *, scale):
+  """Plain-jnp ``clustered_decode_selected``: mask the sorted rows by their cluster's
+  selection, dense masked attention."""
+  o, _ = _attend_selected(q[:, None], k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos,
+                          kv_pos_new, scale=scale)
+  return o[:, 0].astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+def clustered_decode_selected(
+    q: jax.Array,            # [Hq, d]
+    k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    offsets: jax.Array,      # [Hkv, C + 1] int32 (rows [offsets[C], L) = exact part)
+    selected: jax.Array,     # [Hs, C] bool: the clusters each selection head attends
+    k_new: jax.Array,        # [Hkv, S, d]
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [1] int32
+    kv_pos_new: jax.Array,   # [S] int32 (-1 = empty)
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: ClusteredConfig | None = None,
+):
+  """Decode attention over a cluster selection made elsewhere (the hierarchical lookup):
+  each query head attends exactly to the rows of its selection head's clusters, the exact
+  part and the visible new keys -- the attention kernel and merge of
+  ``clustered_decode_attention`` without its scoring kernel.  ``vote``: "kv" (Hs = Hkv)
+  or "q" (Hs = Hq).  Returns o [Hq, d] in q's dtype."""
+  hq = q.shape[0]
+  hkv, _, d = k_sorted.shape
+  num_c = offsets.shape[1] - 1
+  hs = cm.num_selection_heads(hq, hkv, vote)
+  cent = jax.ShapeDtypeStruct((hkv, num_c, d), q.dtype)   # shapes only, for the shared checks
+  _validate(q, k_sorted, v_sorted, cent, offsets, jnp.float32(0.0), k_new, v_new, q_pos, kv_pos_new, 2, vote)
+  if selected.shape != (hs, num_c) or jnp.dtype(selected.dtype) != jnp.dtype(bool):
+    raise ValueError(f"selected must be bool [Hs, C] = [{hs}, {num_c}] for vote={vote!r}; got "
+                     f"{selected.dtype}{tuple(selected.shape)}")
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return clustered_decode_selected_reference(q, k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos,
+                                               kv_pos_new, scale=scale)
+  _check_vote_q_group(q, k_sorted, vote)
+  o, _ = _decode_selected_pallas(q, k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos, kv_pos_new,
+                                 scale=scale, vote=vote, cfg=config or ClusteredConfig(), backend=be)
+  return o.astype(q.dtype)
 
 
 def _check_vote_q_group(q, k_sorted, vote):

@@ -130,3 +130,25 @@ def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new
     o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(k_sorted.dtype), offsets,
                                    threshold, k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
     return o[:, None]
+
+
+def clustered_decode_hierarchical(q, k_sorted, v_sorted, offsets, centroids2, centroids1, counts1, counts2, parent,
+                                  threshold1, threshold, k_new, v_new, q_pos, kv_pos, scale: float, vote: str):
+    """One-token hierarchical Squeezed attention over the cluster-contiguous layout, or None.
+
+    The hierarchical lookup kernels (Eq. 2-3) select level-2 clusters (S2 > T); the clustered
+    attention kernel attends to their contiguous row ranges plus the exact part and the new
+    keys, and merges. None (use the generic path) unless the backend is a Pallas one.
+    """
+    b = resolved()
+    if b == "reference":
+        return None
+    from pallas_kernels import clustered_decode_selected, hierarchical_scores as kernel
+
+    dt = k_sorted.dtype
+    s2, _, cand, _ = kernel(q[:, 0], centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
+                            jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b)
+    selected = cand & (s2 > jax.numpy.asarray(threshold, jax.numpy.float32))
+    o = clustered_decode_selected(q[:, 0], k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos, kv_pos,
+                                  scale=scale, vote=vote, backend=b)
+    return o[:, None]

@@ -27,7 +27,7 @@ import numpy as np
 
 from sqjax import dispatch, index_io
 from sqjax.budget import account
-from sqjax.methods import ContextData, Full, Method, Saap, method_from_name
+from sqjax.methods import ContextData, Full, Method, Saap, Squeezed, method_from_name
 from sqjax.selection import Selection
 
 _SENTINEL = "\u2063SQJAX-QUESTION\u2063"
@@ -68,8 +68,15 @@ class SparseAttentionHook:
             qpre_h = None if qpre_b is None else jnp.swapaxes(qpre_b, 0, 1)
             if "clustered" in state and qh.shape[1] == 1 and layer >= self.method.dense_layers:
                 ks, vs, off, cent = state["clustered"][layer]
-                o = dispatch.clustered_decode(qh, ks, vs, cent, off, state["index"].threshold,
-                                              ckb, cvb, qpb, kpb, scale, self.method.vote)
+                index = state["index"]
+                if "level1" in state:  # hierarchical: its lookup kernels select, the same kernel attends
+                    c1, n1, n2, parent = state["level1"][layer]
+                    o = dispatch.clustered_decode_hierarchical(qh, ks, vs, off, cent, c1, n1, n2, parent,
+                                                               index.threshold1, index.threshold, ckb, cvb, qpb,
+                                                               kpb, scale, self.method.vote)
+                else:
+                    o = dispatch.clustered_decode(qh, ks, vs, cent, off, index.threshold,
+                                                  ckb, cvb, qpb, kpb, scale, self.method.vote)
                 if o is not None:
                     return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks
@@ -94,9 +101,10 @@ def _log_softmax_rows(logits, targets):
 def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool = False) -> dict:
     """The hook's attn_state: per-layer fixed K/V [Hkv, L, d] tuples and the method index.
 
-    clustered_layout (1-level Squeezed, GPU decode): also the cluster-contiguous copy of each
-    layer's K/V, its offsets and its centroids, read by the fused clustered decode kernel
-    (`sqjax.dispatch`).
+    clustered_layout (Squeezed, 1- or 2-level, GPU decode): also the cluster-contiguous copy of
+    each layer's K/V, its offsets and its centroids, read by the fused clustered decode kernel
+    (`sqjax.dispatch`); for a hierarchical index also each layer's level-1 centroids and counts,
+    level-2 counts and parents, read by the hierarchical lookup kernels.
     """
     state = {"k": tuple(k[i] for i in range(k.shape[0])), "v": tuple(v[i] for i in range(v.shape[0])), "index": index}
     if clustered_layout:
@@ -108,6 +116,9 @@ def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool
         # each layer's centroids (13 MB at 128K) on every token (seen in an H200 profile)
         state["clustered"] = tuple((ks, vs, off, index.layer(i).centroids.astype(ks.dtype))
                                    for i, (ks, vs, off, _) in enumerate(sorted_kv))
+        if index.layers.centroids1.shape[-2]:  # hierarchical
+            state["level1"] = tuple((li.centroids1.astype(k.dtype), li.counts1, li.counts, li.parent)
+                                    for li in (index.layer(i) for i in range(k.shape[0])))
     return state
 
 
@@ -174,8 +185,8 @@ class FixedContext:
         self._hook = SparseAttentionHook(
             method, tuple(float(x) for x in _inv_freq(cfg)), needs_q_pre=isinstance(method, Saap)
         )
-        # on GPU, 1-level Squeezed decodes through the fused kernel over a cluster-contiguous copy
-        fused = type(method).__name__ == "Squeezed" and jax.default_backend() == "gpu"
+        # on GPU, Squeezed (1- or 2-level) decodes through the fused kernel over a cluster-contiguous copy
+        fused = isinstance(method, Squeezed) and jax.default_backend() == "gpu"
         self._state = attention_state(data.k, data.v, index, clustered_layout=fused)
 
     # ----------------------------------------------------------------------------- building

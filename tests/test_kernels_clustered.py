@@ -15,6 +15,8 @@ from pallas_kernels import _dispatch
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
                                                 clustered_decode_attention,
                                                 clustered_decode_attention_reference,
+                                                clustered_decode_selected,
+                                                clustered_decode_selected_reference,
                                                 clustered_prefill_attention,
                                                 clustered_prefill_attention_reference)
 
@@ -105,8 +107,9 @@ def np_scores(q, cent, counts, scale, vote):
   return s
 
 
-def brute(x, thr, scale, vote):
-  """float64 loops over explicit row sets -> (o [Hq, T, d], selected [Hs, C], rows [Hs])."""
+def brute(x, thr, scale, vote, sel=None):
+  """float64 loops over explicit row sets -> (o [Hq, T, d], selected [Hs, C], rows [Hs]);
+  ``sel`` given: that selection instead of scoring the centroids."""
   q = f64(x["q"])
   if q.ndim == 2:
     q = q[:, None]
@@ -116,8 +119,9 @@ def brute(x, thr, scale, vote):
   hq, seq_len, d = q.shape
   hkv, num_l, _ = ks.shape
   counts = np.diff(offs, axis=1)
-  s = np_scores(x["q"], x["cent"], counts, scale, vote)
-  sel = (s > thr) & np.repeat(counts > 0, s.shape[0] // hkv, axis=0)
+  if sel is None:
+    s = np_scores(x["q"], x["cent"], counts, scale, vote)
+    sel = (s > thr) & np.repeat(counts > 0, s.shape[0] // hkv, axis=0)
   hs = sel.shape[0]
   g, r = hq // hkv, hq // hs
   o = np.zeros((hq, seq_len, d))
@@ -257,6 +261,35 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d):
   np.testing.assert_array_equal(np.asarray(rrows), rows_np)
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
   assert rel(out, ref) < tol
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype", [(8, 2, "kv", jnp.float32), (8, 2, "q", jnp.float32),
+                                                 (3, 3, "kv", jnp.float32), (8, 2, "kv", BF)])
+def test_decode_selected_matches_reference_and_bruteforce(rng, hq, hkv, vote, dtype):
+  """Attention over a selection made elsewhere (the hierarchical lookup's): random sets, one
+  head selecting nothing (exact part + new keys only), selected empty clusters ignored."""
+  x, meta = make_case(rng, hq=hq, hkv=hkv, dtype=dtype)
+  hs = hkv if vote == "kv" else hq
+  num_c = meta["counts"].shape[1]
+  sel = rng.random((hs, num_c)) < 0.3
+  sel[-1] = False
+  o_np, _, _ = brute(x, None, 0.2, vote, sel=sel)
+  args = (x["q"], x["k"], x["v"], x["offs"], jnp.asarray(sel), x["kn"], x["vn"], x["qp"], x["kvp"])
+  out = clustered_decode_selected(*args, scale=0.2, vote=vote, backend="interpret", config=SMALL)
+  ref = clustered_decode_selected_reference(*args, scale=0.2)
+  assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
+  assert not np.isnan(f64(out)).any()
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  assert rel(ref, o_np[:, 0]) < tol and rel(out, o_np[:, 0]) < tol
+  # the same selection made by the scoring kernel gives the same output
+  thr = threshold_for(x, meta, 0.2, vote)
+  out2, sel2, _ = clustered_decode_attention(*args_of(x, thr), scale=0.2, vote=vote, return_stats=True,
+                                             backend="interpret", config=SMALL)
+  out3 = clustered_decode_selected(*args[:4], sel2, *args[5:], scale=0.2, vote=vote, backend="interpret",
+                                   config=SMALL)
+  assert rel(out3, out2) < tol
+  with pytest.raises(ValueError, match=r"selected must be bool \[Hs, C\]"):
+    clustered_decode_selected(*args[:4], jnp.asarray(sel[:, :-1]), *args[5:], scale=0.2, vote=vote)
 
 
 def _union_layout(parts):
@@ -583,6 +616,15 @@ def test_decode_lowers(fake_h100, vote, return_stats, dtype, num_l, num_c, num_s
          sds((HKV, num_s, D), dtype), sds((HKV, num_s, D), dtype), sds((1,), jnp.int32),
          sds((num_s,), jnp.int32))
   assert len(fake_h100) == 2                       # scoring + attention kernels
+
+
+def test_decode_selected_lowers(fake_h100):
+  num_l, num_c, num_s = 524288, 26214, 64
+  _lower(lambda *a: clustered_decode_selected(*a, scale=D ** -0.5, backend="pallas"),
+         sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c + 1), jnp.int32),
+         sds((HKV, num_c), bool), sds((HKV, num_s, D)), sds((HKV, num_s, D)), sds((1,), jnp.int32),
+         sds((num_s,), jnp.int32))
+  assert len(fake_h100) == 1                       # the attention kernel alone
 
 
 @pytest.mark.parametrize("cfg", [

@@ -198,15 +198,20 @@ def test_save_is_atomic(full_ctx, tmp_path, monkeypatch):
         ctx.save(tmp_path / "no" / "dir" / "x.sqx")
 
 
-def test_fused_clustered_decode_path_equals_reference(model):
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["one_level", "hierarchical"])
+def test_fused_clustered_decode_path_equals_reference(model, hierarchical):
     """The GPU decode path (cluster-contiguous layout + fused Pallas kernel, run here in the
-    interpreter) gives the same logits as the reference path through the whole model."""
+    interpreter; hierarchical: its lookup kernels select, the same attention kernel attends)
+    gives the same logits as the reference path through the whole model."""
     from models.forward import forward_jit
     from sqjax.fixed_context import attention_state
+    from sqjax.methods import HierarchicalSqueezed
 
-    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
+    make = HierarchicalSqueezed if hierarchical else Squeezed
+    ctx = FixedContext.build(model, DOC, make(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
     states = {"reference": ctx._state,
               "interpret": attention_state(ctx.data.k, ctx.data.v, ctx.index, clustered_layout=True)}
+    assert ("level1" in states["interpret"]) == hierarchical
     logits = {}
     for backend, state in states.items():
         hook = dataclasses.replace(ctx._hook, backend=backend)
