@@ -15,8 +15,7 @@ from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_looku
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout, clustered_decode_attention, clustered_decode_attention_reference, clustered_decode_partial, clustered_decode_selected, clustered_decode_selected_reference, clustered_prefill_attention, clustered_prefill_attention_reference)  # noqa: E501
 from pallas_kernels.dense_attention import dense_attention_reference, dense_decode_attention
 from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
-                                                hierarchical_lookup_reference, hierarchical_scores,
-                                                parent_major_order)
+                                                hierarchical_lookup_reference, hierarchical_scores)
 from pallas_kernels.quest import (QuestScoreConfig, quest_decode_attention,
                                   quest_decode_attention_reference, quest_page_minmax,
                                   quest_page_scores, quest_page_scores_reference, quest_select)
@@ -32,7 +31,7 @@ __all__ = [
     "centroid_lookup_decode", "centroid_lookup_prefill", "centroid_lookup_reference",
     "clusters_to_indices", "dense_attention_reference", "dense_decode_attention", "gather_then_dense_attention",
     "hierarchical_lookup_decode", "hierarchical_lookup_prefill", "hierarchical_lookup_reference", "hierarchical_scores",
-    "parent_major_order", "quest_decode_attention",
+    "quest_decode_attention",
     "quest_decode_attention_reference", "quest_page_minmax", "quest_page_scores",
     "quest_page_scores_reference", "quest_select", "resolve_backend", "saap_attention",
     "saap_attention_reference", "sparse_attention", "sparse_attention_reference",

@@ -17,10 +17,11 @@ selected.  The cost measure ``n_touched[s] = C1 + (number of candidates)`` is th
 number of centroid rows scored for selection head ``s``.
 
 Tree: ``parent[kv, l]`` is the level-1 cluster of level-2 cluster ``l`` (outside
-``[0, C1)``: no parent, never a candidate).  Any numbering is correct.  The library's
-index numbers level 2 parent by parent (``sqjax.squeezed.cluster_fixed_context``,
-``parent_major_order``), so a decode program's parent lookups stay on a few
-neighbouring level-1 entries and a dropped parent's children are adjacent rows.
+``[0, C1)``: no parent, never a candidate).  Any numbering of level 2 is correct.  The
+library keeps k-means' numbering: numbered parent by parent, the selected clusters of a
+query sit together, and the clustered attention kernel (which gives each program a run
+of cluster ids) then loads a few programs with most of the rows (measured on an H200 at
+512K: 0.116 vs 0.071 ms for the attention kernel).
 
 Kernels: the level-1 pass is the one-level lookup kernel over the level-1 centroids.
 Decode: the level-2 kernel reads the level-1 kernel's raw block outputs and computes
@@ -46,7 +47,7 @@ from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfi
 from pallas_kernels._dispatch import resolve_backend
 
 __all__ = ["hierarchical_lookup_prefill", "hierarchical_lookup_decode", "hierarchical_scores",
-           "hierarchical_lookup_reference", "parent_major_order", "CentroidLookupConfig"]
+           "hierarchical_lookup_reference", "CentroidLookupConfig"]
 
 
 def _validate(q, c1, n1, c2, n2, parent, t1, vote, q_ranks):
@@ -142,15 +143,6 @@ def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
 
 def _finish(s2, cand, t2):
   return cand & (s2 > jnp.asarray(t2, jnp.float32)), s2
-
-
-def parent_major_order(parent: jax.Array) -> jax.Array:
-  """A renumbering of the level-2 clusters that puts each parent's children together.
-
-  parent [..., C2] -> order [..., C2] int32 (new cluster i is old cluster order[i]);
-  stable, so children keep their relative order.  Offline, once per index.
-  """
-  return jnp.argsort(parent, axis=-1, stable=True).astype(jnp.int32)
 
 
 def _eq1_masked(q, cent, counts, mask, scale):

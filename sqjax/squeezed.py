@@ -396,19 +396,6 @@ class SqueezedIndex:
         return jax.tree.map(lambda a: a[i], self.layers)
 
 
-def parent_major(centroids, counts, labels, parent):
-    """Renumber the level-2 clusters parent by parent (stable): each level-1 cluster's children
-    become one contiguous run of rows, so the level-2 lookup kernel skips whole blocks of a
-    dropped parent.  centroids [..., C2, d], counts/parent [..., C2], labels [..., Lc] -> same."""
-    from pallas_kernels import parent_major_order
-
-    order = parent_major_order(parent)                          # new id i = old id order[i]
-    new_id = jnp.argsort(order, axis=-1).astype(jnp.int32)      # old id -> new id
-    take = lambda x: jnp.take_along_axis(x, order, axis=-1)     # noqa: E731
-    return (jnp.take_along_axis(centroids, order[..., None], axis=-2), take(counts),
-            jnp.take_along_axis(new_id, labels, axis=-1), take(parent))
-
-
 def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerIndex:
     """Cluster every layer's clustered keys.  k [Lyr, Hkv, L, d] (roped) -> stacked layer index."""
     from sqjax.kmeans import KMeansConfig, cluster_level_up, spherical_kmeans
@@ -438,7 +425,6 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
             parent, cent1, cnt1 = cluster_level_up(
                 centroids, counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init)
             )
-            centroids, counts, labels, parent = parent_major(centroids, counts, labels, parent)
         else:
             parent = jnp.zeros((g, hkv, c2), jnp.int32)
             cent1 = jnp.zeros((g, hkv, 0, d), jnp.float32)

@@ -7,8 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels.centroid_lookup import CentroidLookupConfig, centroid_lookup_reference
 from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
-                                                hierarchical_lookup_reference, hierarchical_scores,
-                                                parent_major_order)
+                                                hierarchical_lookup_reference, hierarchical_scores)
 
 def _eq1_rows(qh, cent, counts, allowed, scale):
   """Mean over tokens of Eq. 1 for one query head; qh [T, d]; allowed: set of ids."""
@@ -53,8 +52,8 @@ def brute_hierarchical(q, c1, n1, c2, n2, parent, t1, t2, scale, vote):
 
 
 def make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, dtype, parent_major=False):
-  """Random two-level tree; ``parent_major``: level-2 ids numbered parent by parent (the
-  library's layout, where whole blocks are skipped), else in random order."""
+  """Random two-level tree; ``parent_major``: level-2 ids numbered parent by parent, else in
+  random order (as k-means leaves them)."""
   q = rng.normal(size=(hq, seq_len, d)) * 1.5
   c2 = rng.normal(size=(hkv, num_c2, d))
   parent = rng.integers(0, num_c1, size=(hkv, num_c2))
@@ -152,8 +151,8 @@ def test_everything_pruned(rng):
 
 @pytest.mark.parametrize("prefill", [True, False])
 def test_parent_major_numbering_gives_the_same_selection(rng, prefill):
-  """Renumbering level 2 parent by parent (whole dead blocks, skipped) permutes the outputs
-  and nothing else; orphans (parent -1 or >= C1) are never candidates."""
+  """Renumbering level 2 parent by parent permutes the outputs and nothing else; orphans
+  (parent -1 or >= C1) are never candidates."""
   q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 7, 6, 150, 32, jnp.float32)
   parent = parent.at[0, :5].set(-1).at[1, 7:9].set(6)       # orphans
   if not prefill:
@@ -162,7 +161,7 @@ def test_parent_major_numbering_gives_the_same_selection(rng, prefill):
   cfg = CentroidLookupConfig(block_c=16, block_t=16)
   f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
   sel, sc, nt = f(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret", config=cfg)
-  order = parent_major_order(parent)
+  order = jnp.argsort(parent, axis=1, stable=True)
   take = lambda x: jnp.take_along_axis(x, order[..., None] if x.ndim == 3 else order, axis=1)  # noqa: E731
   pm = [take(x) for x in (c2, n2, parent)]
   assert (np.diff(np.asarray(pm[2]), axis=1) >= 0).all()
