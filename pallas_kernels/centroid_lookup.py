@@ -67,10 +67,13 @@ class CentroidLookupConfig:
     (partial sums added after it); None = enough for ~1024 programs (``score_splits``).
   stats_splits: programs sharing one (token block, head)'s centroid blocks in the
     statistics pass of a bounded (compacted level-2) call, their (max, denominator)
-    combined after; None = 2.  Unbounded calls always use one.
+    combined after; None = 2.  Unbounded calls always use one.  At 512K / 4K tokens on an
+    H200 1, 2 and 4 measured the same (gpu_h200_hierarchical/prefill_splits_994a427).
   level2_blocks, level2_unroll: centroid blocks per program of the hierarchical
     level-2 decode kernel (a loop, or written out), to overlap the dependent loads
-    (parent -> level-1 score -> row) of several blocks.
+    (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
+    slower on an H200 at 512K (benchmarks/results/gpu_h200_hierarchical/decode_sweep_1f0414e);
+    kept for sweeps on other GPUs.
   """
   block_c: int = 128
   block_t: int = 64

@@ -115,40 +115,31 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
 
 
 def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
-                     scale: float, vote: str):
-    """One-token Squeezed attention over the cluster-contiguous layout (fused kernel), or None.
+                     scale: float, vote: str, level1=None, threshold1=0.0):
+    """One-token Squeezed attention over the cluster-contiguous layout (fused kernels), or None.
 
-    None (use the generic path) unless the backend is a Pallas one: the kernel scores the
-    centroids, attends to the selected clusters' contiguous row ranges plus the exact part
-    and the new keys, and merges — three launches, no index list, no capacity.
+    None (use the generic path) unless the backend is a Pallas one. One level: the kernel scores
+    the centroids, attends to the selected clusters' contiguous row ranges plus the exact part
+    and the new keys, and merges -- three launches, no index list, no capacity. Hierarchical
+    (`level1` = (centroids1, counts1, counts2, parent) of the layer, `threshold1` = T1): the
+    hierarchical lookup kernels (Eq. 2-3) select the level-2 clusters (S2 > T) and the same
+    attention kernel attends to them.
     """
     b = resolved()
     if b == "reference":
         return None
-    from pallas_kernels import clustered_decode_attention
+    from pallas_kernels import clustered_decode_attention, clustered_decode_selected, hierarchical_lookup_decode
 
-    o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(k_sorted.dtype), offsets,
-                                   threshold, k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
-    return o[:, None]
-
-
-def clustered_decode_hierarchical(q, k_sorted, v_sorted, offsets, centroids2, centroids1, counts1, counts2, parent,
-                                  threshold1, threshold, k_new, v_new, q_pos, kv_pos, scale: float, vote: str):
-    """One-token hierarchical Squeezed attention over the cluster-contiguous layout, or None.
-
-    The hierarchical lookup kernels (Eq. 2-3) select level-2 clusters (S2 > T); the clustered
-    attention kernel attends to their contiguous row ranges plus the exact part and the new
-    keys, and merges. None (use the generic path) unless the backend is a Pallas one.
-    """
-    b = resolved()
-    if b == "reference":
-        return None
-    from pallas_kernels import clustered_decode_selected, hierarchical_scores as kernel
-
-    dt = k_sorted.dtype
-    s2, _, cand, _ = kernel(q[:, 0], centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
-                            jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b)
-    selected = cand & (s2 > jax.numpy.asarray(threshold, jax.numpy.float32))
+    dt = k_sorted.dtype  # the index stores centroids in the keys' dtype; no-op then
+    if level1 is None:
+        o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(dt), offsets, threshold,
+                                       k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
+        return o[:, None]
+    c1, n1, n2, parent = level1
+    f32 = jax.numpy.float32
+    selected, _, _ = hierarchical_lookup_decode(q[:, 0], c1.astype(dt), n1, centroids.astype(dt), n2, parent,
+                                                jax.numpy.asarray(threshold1, f32), jax.numpy.asarray(threshold, f32),
+                                                scale=scale, vote=vote, backend=b)
     o = clustered_decode_selected(q[:, 0], k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos, kv_pos,
                                   scale=scale, vote=vote, backend=b)
     return o[:, None]

@@ -69,14 +69,9 @@ class SparseAttentionHook:
             if "clustered" in state and qh.shape[1] == 1 and layer >= self.method.dense_layers:
                 ks, vs, off, cent = state["clustered"][layer]
                 index = state["index"]
-                if "level1" in state:  # hierarchical: its lookup kernels select, the same kernel attends
-                    c1, n1, n2, parent = state["level1"][layer]
-                    o = dispatch.clustered_decode_hierarchical(qh, ks, vs, off, cent, c1, n1, n2, parent,
-                                                               index.threshold1, index.threshold, ckb, cvb, qpb,
-                                                               kpb, scale, self.method.vote)
-                else:
-                    o = dispatch.clustered_decode(qh, ks, vs, cent, off, index.threshold,
-                                                  ckb, cvb, qpb, kpb, scale, self.method.vote)
+                level1 = state["level1"][layer] if "level1" in state else None  # hierarchical index
+                o = dispatch.clustered_decode(qh, ks, vs, cent, off, index.threshold, ckb, cvb, qpb, kpb, scale,
+                                              self.method.vote, level1=level1, threshold1=index.threshold1)
                 if o is not None:
                     return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks

@@ -419,19 +419,18 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
         keys = k[start:start + group, :, cfg.n_sink:cfg.n_sink + lc]
         km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start,
                                                   init=cfg.kmeans_init))
+        perm, offsets = cluster_layout(km.labels, c2)
         g = keys.shape[0]
-        centroids, counts, labels = km.centroids, km.counts, km.labels
         if c1:
             parent, cent1, cnt1 = cluster_level_up(
-                centroids, counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init)
+                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init)
             )
         else:
             parent = jnp.zeros((g, hkv, c2), jnp.int32)
             cent1 = jnp.zeros((g, hkv, 0, d), jnp.float32)
             cnt1 = jnp.zeros((g, hkv, 0), jnp.int32)
-        perm, offsets = cluster_layout(labels, c2)
         # centroids are stored in the keys' dtype (bf16 keys -> bf16 centroids: half the lookup bytes)
-        out.append(SqueezedLayerIndex(centroids.astype(k.dtype), counts, labels, perm, offsets,
+        out.append(SqueezedLayerIndex(km.centroids.astype(k.dtype), km.counts, km.labels, perm, offsets,
                                       cent1.astype(k.dtype), cnt1, parent))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *out)
 
