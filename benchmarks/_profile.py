@@ -39,6 +39,19 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+def _gaps(events: list, top: int) -> list[dict]:
+    """The longest idle intervals between kernels, each with the kernel that ended last before it
+    and the one that starts it (kernels that overlap count as one busy interval)."""
+    gaps, cur_e, cur_name = [], None, None
+    for _, name, s, e, _ in sorted(events, key=lambda x: x[2]):
+        if cur_e is not None and s > cur_e:
+            gaps.append({"ms": (s - cur_e) / 1e6, "after": cur_name, "before": name})
+        if cur_e is None or e > cur_e:
+            cur_e, cur_name = e, name
+    gaps.sort(key=lambda g: -g["ms"])
+    return gaps[:top]
+
+
 def _top(groups: dict, top: int) -> list[dict]:
     rows = [{"name": k, "count": len(v), "total_ms": sum(v) / 1e6} for k, v in groups.items()]
     rows.sort(key=lambda r: -r["total_ms"])
@@ -49,7 +62,7 @@ def summarize(events: Iterable[tuple[str, str, int, int, str | None]], *, top: i
     """Busy time, span and the largest kernels of one device's events (see the module docstring)."""
     events = list(events)
     if not events:
-        return {"n_kernels": 0, "busy_ms": 0.0, "span_ms": 0.0, "by_name": [], "by_hlo_op": []}
+        return {"n_kernels": 0, "busy_ms": 0.0, "span_ms": 0.0, "by_name": [], "by_hlo_op": [], "gaps": []}
     by_name, by_op = defaultdict(list), defaultdict(list)
     for _, name, s, e, op in events:
         by_name[name].append(e - s)
@@ -59,7 +72,7 @@ def summarize(events: Iterable[tuple[str, str, int, int, str | None]], *, top: i
     end = max(e[3] for e in events)
     return {"n_kernels": len(events), "busy_ms": _union_ns([(e[2], e[3]) for e in events]) / 1e6,
             "span_ms": (end - start) / 1e6, "streams": sorted({e[0] for e in events}),
-            "by_name": _top(by_name, top), "by_hlo_op": _top(by_op, top)}
+            "by_name": _top(by_name, top), "by_hlo_op": _top(by_op, top), "gaps": _gaps(events, top)}
 
 
 def _stat(event, key: str):
@@ -107,7 +120,9 @@ def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: s
 
 def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
     """Kernel time per call on every device, from a trace of n back-to-back ``call(*sets[i])``:
-    {plane: {busy_ms_per_call, kernels: [{name, ms_per_call, per_call}]}} ({} without a device)."""
+    {plane: {busy_ms_per_call, span_ms_per_call (first kernel's start to last kernel's end / n),
+    kernels: [{name, ms_per_call, per_call}], gaps: the longest idle intervals of the trace}}
+    ({} without a device)."""
     import jax
 
     def run():
@@ -117,7 +132,8 @@ def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
         jax.block_until_ready(out)
 
     planes = device_activity(run, top=top)
-    return {plane: {"busy_ms_per_call": act["busy_ms"] / n,
+    return {plane: {"busy_ms_per_call": act["busy_ms"] / n, "span_ms_per_call": act["span_ms"] / n,
+                    "gaps": act["gaps"],
                     "kernels": [{"name": k["name"], "ms_per_call": k["total_ms"] / n, "per_call": k["count"] / n}
                                 for k in act["by_name"]]}
             for plane, act in planes.items()}

@@ -66,6 +66,8 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             saap_attention, saap_attention_reference, sparse_attention,
                             sparse_attention_reference)
 from pallas_kernels import clustered_attention as clat
+from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
+                                             gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
                                                 clustered_decode_attention,
                                                 clustered_decode_attention_reference,
@@ -286,6 +288,20 @@ def run_checks(plan: Plan, log) -> list[dict]:
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"lse_err": rel_err(lse, rlse)}
 
+  def gather_case(hs):
+    """The live-row gather: bit-exact copies of the reference's rows up to count + GATHER_ZERO."""
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, 1, num_s, cap, hs, poison=False)
+    comp, n = _compact(x["idx"], x["counts"], num_l)
+    ko, vo = gather_live_rows(x["k"], x["v"], comp, n, backend=be)
+    kr, vr = gather_live_rows_reference(x["k"], x["v"], comp, n)
+    upto = np.minimum(np.asarray(n) + GATHER_ZERO, ko.shape[1])
+    err = 0.0
+    for a, b in ((ko, kr), (vo, vr)):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      for s_ in range(hs):
+        err = max(err, float(np.abs(a[s_, :upto[s_]] - b[s_, :upto[s_]]).max(initial=0.0)))
+    return err, {"rows_live": int(np.asarray(n).sum()), "cap_p": int(ko.shape[1])}
+
   def hier_case(vote, prefill, parent_major):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     c1n = max(2, num_c // 5)
@@ -340,6 +356,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
   check("sparse_attention prefill Hs=Hkv poisoned", lambda: attn_case(seq_len, hkv, True), ta)
   check("gather_then_dense prefill Hs=Hkv", lambda: attn_case(
       seq_len, hkv, True, fn=gather_then_dense_attention), 3e-2)
+  check("gather_live_rows Hs=Hq (exact copy)", lambda: gather_case(hq), 0.0)
   if plan.checks == "full":
     check("centroid_lookup_prefill vote=q", lambda: lookup_case("q", True), tl)
     check("centroid_lookup_decode vote=q", lambda: lookup_case("q", False), tl)

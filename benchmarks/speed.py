@@ -309,6 +309,8 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
                                                                 for s in sets], n=3, top=8)
             if tr:
                 row["prefill_busy_ms"] = tr["busy_ms_per_call"]
+                row["prefill_span_ms"] = tr["span_ms_per_call"]  # busy + idle between kernels (+ between calls)
+                row["prefill_gaps"] = tr["gaps"][:6]
                 row["prefill_kernels"] = tr["kernels"]
         fused_name = ("hierarchical lookup kernels + clustered attention kernel" if method.name == "hsqueezed"
                       else "fused clustered decode kernel")
@@ -852,15 +854,19 @@ def to_markdown(res: dict) -> str:
     pre = [r for r in rows if "prefill_busy_ms" in r]
     if pre:
         md += ["## Prefill, kernel time per call (profiler trace of 3 calls)", "",
-               "| Hq/Hkv | L | phase | method | lookup kernels ms | whole path kernels ms | largest kernels of the "
-               "whole path (ms per call) | largest lookup kernels |", "|---|---|---|---|---|---|---|---|"]
+               "| Hq/Hkv | L | phase | method | lookup kernels ms | whole path kernels ms | span ms | largest "
+               "kernels of the whole path (ms per call) | largest lookup kernels |", "|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
             md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['phase']} | {r['method']} | "
                       f"{_f(r.get('prefill_lookup_busy_ms'))} | {_f(r['prefill_busy_ms'])} | "
+                      f"{_f(r.get('prefill_span_ms'))} | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.3f}" for k in r["prefill_kernels"][:6]) + " | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.3f}"
                                   for k in r.get("prefill_lookup_kernels", [])[:6]) + " |")
         md.append("")
+        md += [f"- longest idle gaps, {r['L']} {r['phase']} {r['method']}: "
+               + "; ".join(f"{g['ms']:.3f} ms `{g['after'][:24]}` → `{g['before'][:24]}`" for g in r["prefill_gaps"][:4])
+               for r in pre if r.get("prefill_gaps")] + [""]
     pairs = [(a, b) for a in traced for b in traced if a["method"] == "squeezed" and b["method"] == "hsqueezed"
              and (a["Hq"], a["Hkv"], a["L"], a["sparsity"]) == (b["Hq"], b["Hkv"], b["L"], b["sparsity"])
              and a.get("lookup_kernel_busy_ms") and b.get("lookup_kernel_busy_ms")]

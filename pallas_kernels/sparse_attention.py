@@ -43,14 +43,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as cm
 from pallas_kernels import _attention_core as core
 from pallas_kernels._attention_core import AttentionConfig
-from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels._dispatch import pallas_call, resolve_backend
 
 __all__ = ["AttentionConfig", "sparse_attention", "sparse_attention_reference",
-           "gather_then_dense_attention", "clusters_to_indices"]
+           "gather_then_dense_attention", "gather_live_rows", "gather_live_rows_reference",
+           "clusters_to_indices"]
 
 
 def _validate(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new):
@@ -210,6 +214,72 @@ def _compact(idx, counts, num_l):
   return out, jnp.sum(valid, axis=1).astype(jnp.int32)
 
 
+GATHER_ROWS = 128   # K/V rows per program of the live-row gather
+GATHER_ZERO = 256   # rows past each head's count that the gather zeroes (>= cuDNN's key tile)
+
+
+def _gather_kernel(n_ref,    # [Hs] int32 live rows per selection head
+                   idx_ref,  # [Hs * cap] int32 compacted positions in [0, L)
+                   k_ref,    # [Hkv * L, d]
+                   v_ref,    # [Hkv * L, d]
+                   ko_ref,   # out [Hs * cap_p, d]
+                   vo_ref,   # out [Hs * cap_p, d]
+                   *, num_l, cap, cap_p, d, dp, per_kv):
+  s = pl.program_id(0)
+  j = pl.program_id(1) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=jnp.int32)   # < cap_p
+  n = n_ref[s]
+  live = j < n
+  write = j < n + GATHER_ZERO                   # live rows + a zeroed margin; the rest untouched
+  pos = cm.gather_vec(idx_ref, s * cap + j, live)
+  rows = jnp.where(live, lax.div(s, jnp.int32(per_kv)) * num_l + pos, 0)
+  cols = jnp.arange(dp, dtype=jnp.int32)
+  dmask = (cols < d)[None, :]
+  out_rows = s * cap_p + j                      # distinct and in bounds, written or not
+  for src, dst in ((k_ref, ko_ref), (v_ref, vo_ref)):
+    tile = plgpu.load(src.at[rows[:, None], cols[None, :]], mask=live[:, None] & dmask, other=0)
+    plgpu.store(dst.at[out_rows[:, None], cols[None, :]], tile, mask=write[:, None] & dmask)
+
+
+def _gather_capacity(cap: int) -> int:
+  return cm.cdiv(cap, GATHER_ROWS) * GATHER_ROWS
+
+
+def gather_live_rows_reference(k, v, idx, n):
+  """K and V rows ``idx[s, j]`` of KV head ``s // (Hs // Hkv)`` for ``j < n[s]``, zeros past
+  ``n[s]``: [Hs, cap_p, d] each, ``cap_p`` = cap rounded up to ``GATHER_ROWS``.
+  idx [Hs, cap] int32, in [0, L) where live; n [Hs] int32 in [0, cap]."""
+  hkv, num_l, d = k.shape
+  hs, cap = idx.shape
+  idx = cm.pad_axis(idx, 1, _gather_capacity(cap))
+  kvh = jnp.arange(hs, dtype=jnp.int32) // (hs // hkv)
+  rows = (kvh[:, None] * num_l + idx).reshape(-1)
+  live = (jnp.arange(idx.shape[1])[None, :] < n[:, None]).reshape(-1, 1)
+  take = lambda x: jnp.where(live, jnp.take(x.reshape(hkv * num_l, d), rows, axis=0), 0).reshape(hs, -1, d)  # noqa: E731
+  return take(k), take(v)
+
+
+def gather_live_rows(k, v, idx, n, *, backend: str):
+  """``gather_live_rows_reference`` as a Pallas kernel that reads and writes only the live rows
+  (plus ``GATHER_ZERO`` zeroed rows past each count).  With a static capacity well above the
+  rows a head keeps, the jnp gather writes all ``cap`` rows of every head (0.39 ms of 9.5 for
+  4K tokens over 512K on an H200).  Rows past ``n + GATHER_ZERO`` are left unwritten: only
+  consumers bounded by ``n`` (cuDNN with per-head key lengths) may read this output."""
+  be = resolve_backend(backend)
+  if be == "reference":
+    return gather_live_rows_reference(k, v, idx, n)
+  hkv, num_l, d = k.shape
+  hs, cap = idx.shape
+  cap_p = _gather_capacity(cap)
+  kern = functools.partial(_gather_kernel, num_l=num_l, cap=cap, cap_p=cap_p, d=d,
+                           dp=cm.padded_head_dim(d), per_kv=hs // hkv)
+  shape = jax.ShapeDtypeStruct((hs * cap_p, d), k.dtype)
+  ko, vo = pallas_call(kern, backend=be, num_warps=4, num_stages=1,
+                       grid=(hs, cap_p // GATHER_ROWS), out_shape=[shape, shape],
+                       name="gather_live_rows")(
+      n.astype(jnp.int32), idx.reshape(-1), k.reshape(hkv * num_l, d), v.reshape(hkv * num_l, d))
+  return ko.reshape(hs, cap_p, d), vo.reshape(hs, cap_p, d)
+
+
 def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation):
   """BTNH dense attention returning (out, lse [B, T, N] f32)."""
   b, t, _, _ = query.shape
@@ -261,12 +331,12 @@ def gather_then_dense_attention(
   hs, cap = idx.shape
   num_s = k_new.shape[1]
   r = hq // hs
-  kvh = _kv_head_of_selection(hq, hkv, hs)
   comp, n = _compact(idx, counts, num_l)
-  rows = (kvh[:, None] * num_l + comp).reshape(-1)
-  live = (jnp.arange(cap)[None, :] < n[:, None]).reshape(-1, 1)   # padding rows -> 0 (fused)
-  ks = jnp.where(live, jnp.take(k.reshape(hkv * num_l, d), rows, axis=0), 0).reshape(hs, cap, 1, d)
-  vs = jnp.where(live, jnp.take(v.reshape(hkv * num_l, d), rows, axis=0), 0).reshape(hs, cap, 1, d)
+  ks, vs = gather_live_rows(k, v, comp, n, backend=be)           # [Hs, cap_p >= cap, d]
+  if impl == "xla":   # XLA's attention reads every row: zero what the kernel left unwritten
+    live = (jnp.arange(ks.shape[1])[None, :] < n[:, None])[..., None]
+    ks, vs = jnp.where(live, ks, 0), jnp.where(live, vs, 0)
+  ks, vs = ks[:, :, None], vs[:, :, None]                        # [Hs, cap_p, 1, d] (BTNH)
   qs = jnp.transpose(q.reshape(hs, r, seq_len, d), (0, 2, 1, 3))  # [Hs, T, r, d] (BTNH)
   parts = []
   if cap:

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels import _attention_core as core
-from pallas_kernels.sparse_attention import (AttentionConfig, clusters_to_indices,
+from pallas_kernels.sparse_attention import (GATHER_ROWS, GATHER_ZERO, AttentionConfig,
+                                             clusters_to_indices, gather_live_rows,
+                                             gather_live_rows_reference,
                                              gather_then_dense_attention, sparse_attention,
                                              sparse_attention_reference)
 
@@ -206,6 +208,33 @@ def test_gather_then_dense_matches_reference(rng, dtype, seq_len, hs):
   assert np.isfinite(out).all()
   np.testing.assert_allclose(out, np.asarray(ref, np.float32), **tol)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+
+
+@pytest.mark.parametrize("dtype,d,hkv,hs,cap", [(jnp.bfloat16, 128, 2, 2, 700),
+                                                (jnp.float32, 48, 2, 8, 2 * GATHER_ROWS + 3)])
+def test_gather_live_rows_matches_reference(rng, dtype, d, hkv, hs, cap):
+  """The live-row gather kernel (interpret) copies exactly the reference's rows below each
+  head's count and zeroes GATHER_ZERO rows past it; ragged capacity, an empty head, a full
+  head, GQA (Hs = 4 Hkv), a non-power-of-two head dim."""
+  num_l = 900
+  k = jnp.asarray(rng.normal(size=(hkv, num_l, d)), dtype)
+  v = jnp.asarray(rng.normal(size=(hkv, num_l, d)), dtype)
+  idx = jnp.asarray(rng.integers(0, num_l, size=(hs, cap)), jnp.int32)
+  n = rng.integers(1, cap, size=hs)
+  n[0], n[-1] = 0, cap                                           # nothing / everything live
+  n = jnp.asarray(n, jnp.int32)
+  ko, vo = gather_live_rows(k, v, idx, n, backend="interpret")
+  kr, vr = gather_live_rows_reference(k, v, idx, n)
+  cap_p = -(-cap // GATHER_ROWS) * GATHER_ROWS
+  assert ko.shape == kr.shape == (hs, cap_p, d) and ko.dtype == dtype
+  for s in range(hs):
+    upto = min(cap_p, int(n[s]) + GATHER_ZERO)                   # what the kernel writes
+    np.testing.assert_array_equal(np.asarray(ko[s, :upto]), np.asarray(kr[s, :upto]))
+    np.testing.assert_array_equal(np.asarray(vo[s, :upto]), np.asarray(vr[s, :upto]))
+  assert not np.asarray(kr[0]).any()                             # the empty head: zeros
+  kv = np.arange(hs) // (hs // hkv)
+  np.testing.assert_array_equal(np.asarray(kr[-1, :cap]), np.asarray(k)[kv[-1], np.asarray(idx[-1])])
+  assert not np.asarray(kr[:, cap:]).any()
 
 
 @pytest.mark.parametrize("hs", [2, 6])

@@ -17,7 +17,7 @@ from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode,
                                                 hierarchical_lookup_prefill)
 from pallas_kernels.quest import quest_decode_attention, quest_page_scores
 from pallas_kernels.saap_attention import saap_attention
-from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention import gather_live_rows, sparse_attention
 
 HQ, HKV, D, L, S = 32, 8, 128, 4096, 64
 BF = jnp.bfloat16
@@ -102,3 +102,9 @@ def test_dense_decode_lowers(seq_len):
   lower(lambda *a: dense_decode_attention(*a, scale=D ** -0.5, backend="pallas"),
         sds((HQ, seq_len, D)), sds((HKV, L, D)), sds((HKV, L, D)), sds((HKV, S, D)), sds((HKV, S, D)),
         sds((seq_len,), jnp.int32), sds((S,), jnp.int32))
+
+
+@pytest.mark.parametrize("hs", [HKV, HQ])
+def test_gather_live_rows_lowers(hs):
+  lower(lambda k, v, i, n: gather_live_rows(k, v, i, n, backend="pallas"),
+        sds((HKV, L, D)), sds((HKV, L, D)), sds((hs, 700), jnp.int32), sds((hs,), jnp.int32))

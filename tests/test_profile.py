@@ -23,6 +23,9 @@ def test_summarize_groups_kernels_and_counts_overlap_once():
     assert s["by_name"][0] == {"name": "gemm", "count": 3, "total_ms": pytest.approx(300 / 1e6)}
     assert [r["name"] for r in s["by_hlo_op"]] == ["dot.1", "dot.2"]
     assert summarize([])["n_kernels"] == 0
+    # idle time between kernels, longest first, named by its neighbours
+    assert s["gaps"] == [{"ms": pytest.approx(90 / 1e6), "after": "softmax", "before": "gemm"},
+                         {"ms": pytest.approx(50 / 1e6), "after": "gemm", "before": "softmax"}]
 
 
 def test_device_activity_reads_a_real_trace():
