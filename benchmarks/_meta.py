@@ -68,6 +68,21 @@ def time_ms(fn: Callable, sets: list[tuple], *, reps: int = 20, inner: int = 5) 
     return statistics.median(samples) * 1e3
 
 
+def dispatch_ms(fn: Callable, sets: list[tuple], *, reps: int = 10) -> float:
+    """Host time (ms) until a call returns, the device idle and its inputs ready: what the host
+    spends issuing the call (argument handling and launching every kernel of the program), not
+    waiting for it. Median over `reps` after a warm-up call per set."""
+    for s in sets:
+        jax.block_until_ready(fn(*s))
+    samples = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        out = fn(*sets[i % len(sets)])
+        samples.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return statistics.median(samples) * 1e3
+
+
 def time_ms_looped(fn: Callable, queries: list, *, fixed: tuple = (), n_iter: int = 30, reps: int = 7) -> float:
     """Device time (ms) per call: `n_iter` calls ``fn(q, *fixed)`` inside ONE jitted ``fori_loop``.
 

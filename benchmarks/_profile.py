@@ -121,6 +121,7 @@ def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: s
 def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
     """Kernel time per call on every device, from a trace of n back-to-back ``call(*sets[i])``:
     {plane: {busy_ms_per_call, span_ms_per_call (first kernel's start to last kernel's end / n),
+    kernels_per_call,
     kernels: [{name, ms_per_call, per_call}], gaps: the longest idle intervals of the trace}}
     ({} without a device)."""
     import jax
@@ -133,7 +134,7 @@ def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
 
     planes = device_activity(run, top=top)
     return {plane: {"busy_ms_per_call": act["busy_ms"] / n, "span_ms_per_call": act["span_ms"] / n,
-                    "gaps": act["gaps"],
+                    "kernels_per_call": act["n_kernels"] / n, "gaps": act["gaps"],
                     "kernels": [{"name": k["name"], "ms_per_call": k["total_ms"] / n, "per_call": k["count"] / n}
                                 for k in act["by_name"]]}
             for plane, act in planes.items()}

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._meta import metadata, time_ms, time_ms_looped, time_ms_unrolled, write_json
+from benchmarks._meta import dispatch_ms, metadata, time_ms, time_ms_looped, time_ms_unrolled, write_json
 from benchmarks._profile import device_activity, kernel_time_per_call
 
 BF16 = jnp.bfloat16
@@ -257,7 +257,7 @@ _PATHS = {"quest": "Pallas page scores + top-K pages + page-sparse decode kernel
 
 
 def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=None, best_dense_loop=None,
-                best_dense_unrolled=None) -> dict:
+                best_dense_unrolled=None, best_dense_kernels=None) -> dict:
     """Time one method (Squeezed, QUEST, SAAP alike) into `row`: lookup ms; total ms of its own
     Pallas decode path where it has one (the library path then goes to generic_total_ms), else of
     the library path; kept fraction and bytes (K+V rows + metadata rows) its selection reads."""
@@ -310,8 +310,13 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
             if tr:
                 row["prefill_busy_ms"] = tr["busy_ms_per_call"]
                 row["prefill_span_ms"] = tr["span_ms_per_call"]  # busy + idle between kernels (+ between calls)
+                row["prefill_kernels_per_call"] = tr["kernels_per_call"]
                 row["prefill_gaps"] = tr["gaps"][:6]
+                if best_dense_kernels:  # device time against device time: no host dispatch on either side
+                    row["speedup_vs_best_dense_span"] = best_dense_kernels / tr["span_ms_per_call"]
                 row["prefill_kernels"] = tr["kernels"]
+            row["dispatch_ms"] = dispatch_ms(kern if kernel else lib, [((kidx, layout) if kernel else (index,)) + s
+                                                                       for s in sets])
         fused_name = ("hierarchical lookup kernels + clustered attention kernel" if method.name == "hsqueezed"
                       else "fused clustered decode kernel")
         row["path"] = _PATHS.get(method.name) or (fused_name if kernel else "lookup + retrieve + "
@@ -449,9 +454,10 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
         qs = [src.queries(t, seed=100 * t + j, n_heads=hq) for j in range(3)]
         ctx = (k, v, kn, vn, (length + n_new - t + jnp.arange(t)).astype(jnp.int32), kv_pos)
         dense = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}",
-                             ("call", "loop", "unrolled", "kernels") if t == 1 else ("call",))
+                             ("call", "loop", "unrolled", "kernels") if t == 1 else ("call", "kernels"))
         dense_ms, dense_loop, dense_unr, dense_kern = (dense.get(m, {}) for m in ("call", "loop", "unrolled", "kernels"))
-        best, best_loop, best_unr = (min(x.values(), default=None) for x in (dense_ms, dense_loop, dense_unr))
+        best, best_loop, best_unr, best_kern = (min(x.values(), default=None)
+                                                for x in (dense_ms, dense_loop, dense_unr, dense_kern))
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
                 "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr,
                 "dense_kernel_busy_ms": dense_kern}
@@ -464,7 +470,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                     r = _method_row({**base, "method": name, "sparsity": sp, "hierarchical": name == "hsqueezed",
                                      "budget": f"sparsity {sp}, {2 if name == 'hsqueezed' else 1}-level",
                                      "C": int(idx[sp].layers.centroids.shape[2])},
-                                    plan, log, m, idx[sp], qs, ctx, fused, best, best_loop, best_unr)
+                                    plan, log, m, idx[sp], qs, ctx, fused, best, best_loop, best_unr, best_kern)
                     rows.append(r)
                     frac = frac or r.get("retrieved_frac")
             if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
@@ -853,13 +859,18 @@ def to_markdown(res: dict) -> str:
         md.append("")
     pre = [r for r in rows if "prefill_busy_ms" in r]
     if pre:
-        md += ["## Prefill, kernel time per call (profiler trace of 3 calls)", "",
-               "| Hq/Hkv | L | phase | method | lookup kernels ms | whole path kernels ms | span ms | largest "
-               "kernels of the whole path (ms per call) | largest lookup kernels |", "|---|---|---|---|---|---|---|---|---|"]
+        md += ["## Prefill, kernel time per call (profiler trace of 3 calls; dense: 10 calls)", "",
+               "Span = first kernel's start to last kernel's end, per call (busy + idle gaps); host = time until "
+               "a call returns (it launches every kernel), the device idle.", "",
+               "| Hq/Hkv | L | phase | method | lookup kernels ms | whole path kernels ms | span ms | kernels "
+               "per call | host ms per call | dense cuDNN kernels ms | dense / span | largest kernels of the "
+               "whole path (ms per call) | largest lookup kernels |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
             md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['phase']} | {r['method']} | "
                       f"{_f(r.get('prefill_lookup_busy_ms'))} | {_f(r['prefill_busy_ms'])} | "
-                      f"{_f(r.get('prefill_span_ms'))} | "
+                      f"{_f(r.get('prefill_span_ms'))} | {_f(r.get('prefill_kernels_per_call'), 0)} | "
+                      f"{_f(r.get('dispatch_ms'))} | {_f(r.get('dense_kernel_busy_ms', {}).get('cudnn'))} | "
+                      f"{_f(r.get('speedup_vs_best_dense_span'), 2, '×')} | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.3f}" for k in r["prefill_kernels"][:6]) + " | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.3f}"
                                   for k in r.get("prefill_lookup_kernels", [])[:6]) + " |")
