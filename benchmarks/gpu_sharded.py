@@ -18,6 +18,10 @@
       * ``2gpu/clustered``, ``1gpu_mesh/clustered``: `sharded_clustered_decode`, the fused clustered
         kernel on each device over cluster-contiguous copies of K/V (`clustered_layout`), one
         all-gather of the Eq. 1 statistics and one of the partial outputs;
+      * ``2gpu_heads/clustered``: `sharded_clustered_decode` on a 1×2 ("heads") mesh: each GPU
+        holds 4 of the 8 KV heads over the whole context (the 1-GPU layout resharded by head,
+        same clusters); Eq. 1 is per head, so neither statistics nor outputs cross devices
+        (the output stays sharded by head, as a tensor-parallel model's next matmul takes it);
       * ``1gpu_clustered``: the single-device `clustered_decode_attention` on the same layout.
     Answers are compared (2-GPU vs 1-GPU outputs and retrieved counts), ratio = 2-GPU / best
     1-GPU, measured in the same run (target ≤ 0.6).
@@ -29,7 +33,8 @@
     the queries of the first decode steps (per token, 90%); then tokens/s = median over runs.
     Two hooks, each in its own run (their fixed-context storage cannot both fit): ``clustered``
     (`ShardedClusteredHook`: the fused kernel over sorted K/V that replace the position-ordered
-    ones) and ``generic`` (`ShardedSqueezedHook`); ``--e2e-hooks`` picks.
+    ones) and ``generic`` (`ShardedSqueezedHook`); ``--e2e-hooks`` picks. ``--e2e-meshes``:
+    ``ctx`` (2×1, context-parallel, default) and/or ``heads`` (1×2, KV-head-parallel).
 
 Timing: compile + warm-up on every input set, then the median over repetitions of the mean
 time of back-to-back calls (each repetition ends in ``block_until_ready``). Failures are caught
@@ -73,7 +78,7 @@ from sqjax import squeezed  # noqa: E402
 
 BF16 = jnp.bfloat16
 ONE_GPU = ("1gpu_lib", "1gpu_clustered", "1gpu_mesh/clustered", "1gpu_mesh/score", "1gpu_mesh/index")
-TWO_GPU = ("2gpu/clustered", "2gpu/score", "2gpu/index")
+TWO_GPU = ("2gpu/clustered", "2gpu_heads/clustered", "2gpu/score", "2gpu/index")
 
 
 @dataclasses.dataclass
@@ -101,6 +106,7 @@ class Plan:
   e2e_runs: int = 3
   e2e_calib_tokens: int = 8
   e2e_hooks: tuple = ("clustered", "generic")
+  e2e_meshes: tuple = ("ctx",)  # (b) meshes: "ctx" (2 x 1, context-parallel), "heads" (1 x 2, KV-head-parallel)
   diagnose: bool = False
   pipelines: tuple = ()        # (a): run only these (default: all)
   out: str = ""
@@ -126,6 +132,11 @@ def make_plan(args) -> Plan:
     plan.e2e_tokens = int(args.e2e_tokens)
   if args.e2e_hooks:
     plan.e2e_hooks = tuple(args.e2e_hooks.split(","))
+  if args.e2e_meshes:
+    plan.e2e_meshes = tuple(args.e2e_meshes.split(","))
+    bad = set(plan.e2e_meshes) - {"ctx", "heads"}
+    if bad:
+      raise SystemExit(f"--e2e-meshes takes ctx and/or heads, got {sorted(bad)}")
   if args.budget_s:
     plan.budget_s = float(args.budget_s)
   plan.diagnose = bool(args.diagnose)
@@ -332,6 +343,13 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
     return clustered_decode_attention(q[:, 0], ks, vs, cent, offs, t, kn, vn, q_pos, kv_pos, scale=scale,
                                       backend=be)
 
+  # KV-head parallelism: the 1-GPU layout (same clusters) resharded by KV head over a 1 x 2 mesh
+  meshh = sh.make_mesh(1, n2, devices=devs[:n2])
+  reph = NamedSharding(meshh, P())
+  clh = jax.device_put(cl1, sh._named(meshh, sh._clustered_specs()))
+  setsh = [tuple(jax.device_put(x, reph) for x in s) for s in sets_host]
+  big_ch = (clh, jax.device_put(jnp.float32(threshold), reph), jax.device_put(q_pos_h, reph),
+            jax.device_put(kv_pos_h, reph))
   big_c2 = (cl2, t2, q_pos2, kv_pos2)
   big_c1m = (cl1, t1m, q_pos1m, kv_pos1m)
   diag = []
@@ -349,6 +367,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
 
   pipelines = diag + [
       ("2gpu/clustered", sharded_clustered(mesh2), big_c2, sets2),
+      ("2gpu_heads/clustered", sharded_clustered(meshh), big_ch, setsh),
       ("1gpu_clustered", one_gpu_clustered, (cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1,
                                              kv_pos1), sets1),
       ("1gpu_mesh/clustered", sharded_clustered(mesh1), big_c1m, sets1),
@@ -373,7 +392,8 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       # device time per call: the calls inside one jitted loop (host dispatch paid once per loop)
       info[f"{name}_loop_ms"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
                                                      n_iter=plan.loop_iters, reps=plan.reps), 4)
-      if plan.diagnose and name in ("2gpu/clustered", "1gpu_clustered", "diag/2gpu/clustered_local"):
+      if plan.diagnose and name in ("2gpu/clustered", "2gpu_heads/clustered", "1gpu_clustered",
+                                    "diag/2gpu/clustered_local"):
         info[f"{name}_trace"] = trace_calls(call, sets, n=10)   # benchmarks._profile
         for plane, act in info[f"{name}_trace"].items():
           print(f"[trace] {name} {plane}: busy {act['busy_ms_per_call']:.4f} ms/call, "
@@ -408,6 +428,9 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       info[f"best_1gpu{tag}_ms"], info[f"best_2gpu{tag}_ms"] = info[f"{b1}{suffix}"], info[f"{b2}{suffix}"]
       info[f"ratio{tag}"] = round(info[f"{b2}{suffix}"] / info[f"{b1}{suffix}"], 4)
       info[f"target_met{tag}"] = info[f"ratio{tag}"] <= 0.6
+  for tag, name in (("ctx", "2gpu/clustered"), ("heads", "2gpu_heads/clustered")):   # each parallelism alone
+    if f"{name}_loop_ms" in info and info.get("best_1gpu_loop_ms"):
+      info[f"ratio_loop_{tag}"] = round(info[f"{name}_loop_ms"] / info["best_1gpu_loop_ms"], 4)
   if "2gpu/score_ms" in info and "1gpu_lib_ms" in info:
     info["ratio_score_vs_lib"] = round(info["2gpu/score_ms"] / info["1gpu_lib_ms"], 4)
   # every device buffer of this case is local to this function: freed on return (main collects)
@@ -416,20 +439,22 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
 # ----------------------------------------------------------------------------
 # (b) End-to-end decoding over a fixed context that does not fit one GPU.
 # ----------------------------------------------------------------------------
-def run_e2e(plan: Plan, devs, out: dict, t_start: float, hook_kind: str = "generic") -> None:
+def run_e2e(plan: Plan, devs, out: dict, t_start: float, hook_kind: str = "generic", mesh_kind: str = "ctx") -> None:
   from flax import nnx
 
   from models import KVCache, Llama, LlamaConfig, forward
 
   n2 = min(2, len(devs))
-  mesh = sh.make_mesh(n2, 1, devices=devs[:n2])
+  mesh = sh.make_mesh(n2, 1, devices=devs[:n2]) if mesh_kind == "ctx" else sh.make_mesh(1, n2, devices=devs[:n2])
+  n_ctx = sh.mesh_shape(mesh)[0]
   rep = NamedSharding(mesh, P())
   L, hkv, d = plan.length, plan.hkv, plan.d
   cfg = LlamaConfig(vocab_size=plan.e2e_vocab, hidden_size=plan.e2e_hidden, intermediate_size=plan.e2e_inter,
                     num_layers=plan.e2e_layers, num_heads=plan.hq, num_kv_heads=hkv, head_dim=d,
                     rope_theta=500000.0, max_position_embeddings=L + 8192, rms_norm_eps=1e-5)
   kv_bytes = 2 * cfg.num_layers * hkv * L * d * 2
-  info: dict = {"name": f"e2e/{hook_kind}", "hook": hook_kind, "length": L, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "hq": cfg.num_heads,
+  info: dict = {"name": f"e2e/{hook_kind}" + ("" if mesh_kind == "ctx" else f"/{mesh_kind}"), "hook": hook_kind,
+                "mesh": mesh_kind, "length": L, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "hq": cfg.num_heads,
                 "hkv": hkv, "d": d, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
                 "dtype": "bfloat16", "devices": n2, "fixed_kv_gb": round(kv_bytes / 1e9, 1),
                 "sparsity_target": plan.sparsity, "centroid_fraction": plan.centroid_frac,
@@ -454,7 +479,7 @@ def run_e2e(plan: Plan, devs, out: dict, t_start: float, hook_kind: str = "gener
   weights = jax.jit(fill, out_shardings=rep)(0)
   info["weights_gb"] = round(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights)) / 1e9, 1)
   # Fixed context per layer: K/V and index as separate buffers, context-sharded.
-  c2 = clusters_per_device(plan, n2)
+  c2 = clusters_per_device(plan, n_ctx)
   gen_kv = kv_generator(mesh, hkv, L, d, BF16)
   gen_ix = index_generator(mesh, hkv, L, d, c2, plan.n_obs, BF16)
   ks, vs, lays, cls = [], [], [], []
@@ -471,7 +496,7 @@ def run_e2e(plan: Plan, devs, out: dict, t_start: float, hook_kind: str = "gener
       vs.append(v_i)
       lays.append(lay_i)
   jax.block_until_ready((ks, vs, lays))
-  ls = L // n2
+  ls = L // n_ctx
   cap = min(ls, plan.n_obs + int(math.ceil(plan.cap_frac * ls)))
   info.update(clusters_per_device=c2, capacity_per_device=cap, setup_s=round(time.perf_counter() - t0, 1),
               memory_after_setup_gb=[memory_gb(x) for x in devs[:n2]])
@@ -577,7 +602,9 @@ def markdown(out: dict) -> str:
                     f"{c.get('best_1gpu', '—')}) = {c.get('ratio', '—')}** (target ≤ 0.6: "
                     f"{'met' if c.get('target_met') else 'NOT met'}); same answers: {c.get('same_answers', '—')}",
                 f"**ratio in a device loop ({c.get('best_2gpu_loop', '—')} / {c.get('best_1gpu_loop', '—')}) = "
-                f"{c.get('ratio_loop', '—')}** (target ≤ 0.6: {'met' if c.get('target_met_loop') else 'NOT met'})",
+                f"{c.get('ratio_loop', '—')}** (target ≤ 0.6: {'met' if c.get('target_met_loop') else 'NOT met'}); "
+                f"context-parallel (2gpu/clustered) {c.get('ratio_loop_ctx', '—')}, KV-head-parallel "
+                f"(2gpu_heads/clustered) {c.get('ratio_loop_heads', '—')}",
                 "", f"Per call = back-to-back jitted calls (host dispatch included: a 2-device program costs the "
                     f"host more to launch); device loop = {c.get('loop_iters', '—')} calls inside one jitted loop, "
                     "as a model's decode step runs its layers.", ""]
@@ -592,9 +619,11 @@ def markdown(out: dict) -> str:
       how = ("fused clustered kernel per device over cluster-contiguous K/V (`ShardedClusteredHook`)"
              if c.get("hook") == "clustered" else
              f"lookup + retrieval + sparse attention (`ShardedSqueezedHook`), retrieval order {c.get('order', '—')}")
-      lines += [f"## (b) end-to-end greedy decoding, Llama-3-8B shape, random weights — {c.get('hook', 'generic')}",
+      lines += [f"## (b) end-to-end greedy decoding, Llama-3-8B shape, random weights — {c.get('hook', 'generic')}"
+                + (f", {c['mesh']} mesh" if c.get("mesh", "ctx") != "ctx" else ""),
                 f"{c.get('layers')} layers, fixed context {c.get('length')} tokens ({c.get('fixed_kv_gb')} GB bf16 KV) "
-                f"over {c.get('devices')} devices (context-parallel), weights {c.get('weights')} "
+                f"over {c.get('devices')} devices ("
+                f"{'KV-head' if c.get('mesh') == 'heads' else 'context'}-parallel), weights {c.get('weights')} "
                 f"({c.get('weights_gb', '—')} GB); {how}", "",
                 "| tokens/s | ms/token | runs × tokens | kept (calib) | retrieved/device (mid layer) "
                 "| compile+1st step s |",
@@ -617,6 +646,7 @@ def main(argv=None) -> int:
   ap.add_argument("--skip-e2e", action="store_true")
   ap.add_argument("--e2e-tokens", type=int)
   ap.add_argument("--e2e-hooks", help="comma-separated: clustered,generic (default both)")
+  ap.add_argument("--e2e-meshes", help="comma-separated: ctx,heads (default ctx)")
   ap.add_argument("--budget-s", type=float)
   ap.add_argument("--pipelines", help="comma-separated (a) pipelines to run, e.g. 2gpu/clustered,1gpu_clustered")
   ap.add_argument("--diagnose", action="store_true",
@@ -635,7 +665,8 @@ def main(argv=None) -> int:
   out = {"device_names": device_names(devs[:2]), "devices_used": f"{min(2, len(devs))} x {devs[0].platform}",
          "jax_version": jax.__version__, "git_commit": git_commit(), "plan": dataclasses.asdict(plan),
          "cases": [], "errors": []}
-  e2e = [(f"e2e/{kind}", functools.partial(run_e2e, hook_kind=kind), plan.e2e) for kind in plan.e2e_hooks]
+  e2e = [(f"e2e/{kind}" + ("" if mk == "ctx" else f"/{mk}"), functools.partial(run_e2e, hook_kind=kind, mesh_kind=mk),
+          plan.e2e) for mk in plan.e2e_meshes for kind in plan.e2e_hooks]
   for name, fn, on in [("decode", run_decode, True)] + e2e:
     if not on:
       continue

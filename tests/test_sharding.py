@@ -79,7 +79,8 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
     # a jitted closure over the fixed context would capture it as constants (GBs on a GPU): warn at 64 KB
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="65536",
                XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
-    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_sharded", "--cpu-smoke", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_sharded", "--cpu-smoke", "--out", str(tmp_path),
+                        "--e2e-meshes", "ctx,heads"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads((tmp_path / "gpu_sharded.json").read_text())
@@ -87,10 +88,11 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
     for key in ("device_names", "jax_version", "git_commit", "plan", "cases", "wall_s"):
         assert key in res
     dec, *e2e = res["cases"]
-    assert dec["name"] == "decode" and [c["name"] for c in e2e] == ["e2e/clustered", "e2e/generic"]
+    assert dec["name"] == "decode" and [c["name"] for c in e2e] == [
+        "e2e/clustered", "e2e/generic", "e2e/clustered/heads", "e2e/generic/heads"]
     assert not dec["errors"] and not any(c["errors"] for c in e2e), (dec["errors"], [c["errors"] for c in e2e])
     for name in ("1gpu_lib", "1gpu_clustered", "1gpu_mesh/clustered", "1gpu_mesh/score", "1gpu_mesh/index",
-                 "2gpu/clustered", "2gpu/score", "2gpu/index"):
+                 "2gpu/clustered", "2gpu_heads/clustered", "2gpu/score", "2gpu/index"):
         assert dec[f"{name}_ms"] > 0
         assert name == "1gpu_lib" or dec[f"{name}_rel_err"] < 1e-2, name
     assert dec["same_answers"] and dec["ratio"] > 0 and dec["2gpu/score_count_diff"] == 0
@@ -100,7 +102,7 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
         assert 0.05 < c["calibrated_kept_fraction"] < 0.15
     assert r.stdout.rstrip().endswith(md.rstrip())   # the markdown table is printed last
     assert "constants were captured" not in r.stderr
-    for name in ("2gpu/clustered", "1gpu_clustered", "1gpu_lib"):
+    for name in ("2gpu/clustered", "2gpu_heads/clustered", "1gpu_clustered", "1gpu_lib"):
         assert dec[f"{name}_loop_ms"] > 0
     assert dec["ratio_loop"] > 0
 
