@@ -347,7 +347,9 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
   meshh = sh.make_mesh(1, n2, devices=devs[:n2])
   reph = NamedSharding(meshh, P())
   clh = jax.device_put(cl1, sh._named(meshh, sh._clustered_specs()))
-  setsh = [tuple(jax.device_put(x, reph) for x in s) for s in sets_host]
+  # q [Hq, 1, d] and the user input's K/V [Hkv, S, d] live with their heads (as in a head-parallel model)
+  by_head = NamedSharding(meshh, P(sh.HEADS, None, None))
+  setsh = [tuple(jax.device_put(x, by_head) for x in s) for s in sets_host]
   big_ch = (clh, jax.device_put(jnp.float32(threshold), reph), jax.device_put(q_pos_h, reph),
             jax.device_put(kv_pos_h, reph))
   big_c2 = (cl2, t2, q_pos2, kv_pos2)

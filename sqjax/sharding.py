@@ -887,13 +887,17 @@ def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh
     n_ctx, _ = mesh_shape(mesh)
     q_pos = q_pos.reshape(1)   # inside the program: no eager op on a (multi-device) array per call
 
+    # One context shard (KV-head parallelism alone): its Eq. 1 statistics and its output are
+    # already the global ones, so no collective and no merge (the 1-device kernel path exactly).
+    across = n_ctx > 1
+
     def body(cl, t, q, k_new, v_new, q_pos, kv_pos):
         last = jax.lax.axis_index(CTX) == n_ctx - 1
         o, lse = clustered_decode_partial(
             q, cl.k_sorted, cl.v_sorted, cl.centroids, cl.offsets, t, k_new, v_new, q_pos,
             jnp.where(last, kv_pos, -1), scale=scale, vote=vote,
-            reduce_stats=_global_stats if _parts == "all" else None, backend=backend, config=config)
-        if _parts != "local":
+            reduce_stats=_global_stats if _parts == "all" and across else None, backend=backend, config=config)
+        if _parts != "local" and across:
             o, lse = _merge_ctx(o[:, None], lse[:, None])
             o, lse = o[:, 0], lse[:, 0]
         return o.astype(q.dtype), lse
@@ -924,6 +928,8 @@ def sharded_clustered_decode(
     denominator) per query head so that the global threshold means what it means on one device,
     the attention kernel over its selected clusters' contiguous rows + its exact keys (+ the user
     input on the last shard), then one all-gather to merge the partial outputs by log-sum-exp.
+    On a mesh with one context shard (KV heads split over "heads" only) neither collective runs:
+    each device holds whole heads. The output is sharded by KV head over "heads".
     Equal to `pallas_kernels.clustered_decode_attention` on the union of the devices' clusters.
     -> (o [Hq, d] in q's dtype, lse [Hq] f32).
     """

@@ -433,6 +433,8 @@ def _main(case: str, seed: int) -> None:
         ks, vs = sh.shard_fixed_context(k, mesh), sh.shard_fixed_context(v, mesh)
         built = build(mesh, k, q_obs)
         scenario(mesh, built, ks, vs, [("1level", 1, "kv", "score"), ("hier", 5, "kv", "score")])
+        # the fused clustered kernel head-parallel: one context shard, no collective, no merge
+        clustered("clustered/decode/kv/interpret", mesh, *built["1level"], ks, vs, 1, "kv", "interpret")
         # One context shard: a small capacity overflows exactly as on one device (same clusters kept).
         idx, eq = built["1level"]
         cap = 2 + 16 + 60
