@@ -23,6 +23,8 @@
         same clusters); Eq. 1 is per head, so neither statistics nor outputs cross devices
         (the output stays sharded by head, as a tensor-parallel model's next matmul takes it);
       * ``1gpu_clustered``: the single-device `clustered_decode_attention` on the same layout.
+      * ``*_rsf``: the same with ``ClusteredConfig(reduce_stats_first=True)`` (the scoring kernel's
+        per-block statistics reduced once per head in XLA instead of in every attention program).
     Answers are compared (2-GPU vs 1-GPU outputs and retrieved counts), ratio = 2-GPU / best
     1-GPU, measured in the same run (target ≤ 0.6).
 (b) ``e2e``: a Llama-3-8B-shaped model (32 layers, hidden 4096, 32/8 heads, d=128,
@@ -77,8 +79,9 @@ from sqjax import sharding as sh  # noqa: E402
 from sqjax import squeezed  # noqa: E402
 
 BF16 = jnp.bfloat16
-ONE_GPU = ("1gpu_lib", "1gpu_clustered", "1gpu_mesh/clustered", "1gpu_mesh/score", "1gpu_mesh/index")
-TWO_GPU = ("2gpu/clustered", "2gpu_heads/clustered", "2gpu/score", "2gpu/index")
+ONE_GPU = ("1gpu_lib", "1gpu_clustered", "1gpu_clustered_rsf", "1gpu_mesh/clustered", "1gpu_mesh/score",
+           "1gpu_mesh/index")
+TWO_GPU = ("2gpu/clustered", "2gpu_heads/clustered", "2gpu_heads/clustered_rsf", "2gpu/score", "2gpu/index")
 
 
 @dataclasses.dataclass
@@ -333,15 +336,18 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
   cl2 = sh.clustered_layout(lay2, k2, v2, mesh=mesh2)
   cl1 = sh.clustered_layout(lay1, k1m, v1m, mesh=mesh1)
 
-  def sharded_clustered(mesh, parts="all"):   # parts != "all": timing diagnostics (wrong answers on 2 GPUs)
+  from pallas_kernels import ClusteredConfig
+  rsf = ClusteredConfig(reduce_stats_first=True)
+
+  def sharded_clustered(mesh, parts="all", config=None):   # parts != "all": diagnostics (wrong answers on 2 GPUs)
     def f(q, kn, vn, cl, t, q_pos, kv_pos):
       return sh._clustered_decode_jit(cl, t, q[:, 0], kn, vn, q_pos, kv_pos, mesh=mesh, scale=scale, vote="kv",
-                                      backend=be, config=None, _parts=parts)
+                                      backend=be, config=config, _parts=parts)
     return f
 
-  def one_gpu_clustered(q, kn, vn, ks, vs, cent, offs, t, q_pos, kv_pos):
+  def one_gpu_clustered(q, kn, vn, ks, vs, cent, offs, t, q_pos, kv_pos, config=None):
     return clustered_decode_attention(q[:, 0], ks, vs, cent, offs, t, kn, vn, q_pos, kv_pos, scale=scale,
-                                      backend=be)
+                                      backend=be, config=config)
 
   # KV-head parallelism: the 1-GPU layout (same clusters) resharded by KV head over a 1 x 2 mesh
   meshh = sh.make_mesh(1, n2, devices=devs[:n2])
@@ -370,8 +376,11 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
   pipelines = diag + [
       ("2gpu/clustered", sharded_clustered(mesh2), big_c2, sets2),
       ("2gpu_heads/clustered", sharded_clustered(meshh), big_ch, setsh),
+      ("2gpu_heads/clustered_rsf", sharded_clustered(meshh, config=rsf), big_ch, setsh),
       ("1gpu_clustered", one_gpu_clustered, (cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1,
                                              kv_pos1), sets1),
+      ("1gpu_clustered_rsf", functools.partial(one_gpu_clustered, config=rsf),
+       (cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1, kv_pos1), sets1),
       ("1gpu_mesh/clustered", sharded_clustered(mesh1), big_c1m, sets1),
       ("2gpu/score", *two_gpu("score"), sets2), ("2gpu/index", *two_gpu("index"), sets2),
       ("1gpu_lib", lib_pipeline, (eq_layer, k1, v1, t1, zero1, q_pos1, kv_pos1), sets1),
@@ -394,8 +403,8 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       # device time per call: the calls inside one jitted loop (host dispatch paid once per loop)
       info[f"{name}_loop_ms"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
                                                      n_iter=plan.loop_iters, reps=plan.reps), 4)
-      if plan.diagnose and name in ("2gpu/clustered", "2gpu_heads/clustered", "1gpu_clustered",
-                                    "diag/2gpu/clustered_local"):
+      if plan.diagnose and name in ("2gpu/clustered", "2gpu_heads/clustered", "2gpu_heads/clustered_rsf",
+                                    "1gpu_clustered", "1gpu_clustered_rsf", "diag/2gpu/clustered_local"):
         info[f"{name}_trace"] = trace_calls(call, sets, n=10)   # benchmarks._profile
         for plane, act in info[f"{name}_trace"].items():
           print(f"[trace] {name} {plane}: busy {act['busy_ms_per_call']:.4f} ms/call, "
