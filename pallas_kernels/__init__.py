@@ -20,8 +20,9 @@ from pallas_kernels.quest import (QuestScoreConfig, quest_decode_attention,
                                   quest_decode_attention_reference, quest_page_minmax,
                                   quest_page_scores, quest_page_scores_reference, quest_select)
 from pallas_kernels.saap_attention import saap_attention, saap_attention_reference
-from pallas_kernels.sparse_attention import (clusters_to_indices, gather_then_dense_attention,
-                                             sparse_attention, sparse_attention_reference)
+from pallas_kernels.sparse_attention import (clusters_to_indices, gather_live_rows, gather_live_rows_reference,
+                                             gather_then_dense_attention, sparse_attention,
+                                             sparse_attention_reference)
 
 __all__ = [
     "AttentionConfig", "BACKENDS", "CentroidLookupConfig", "ClusteredConfig", "QuestScoreConfig",
@@ -29,7 +30,8 @@ __all__ = [
     "clustered_decode_partial", "clustered_decode_selected", "clustered_decode_selected_reference",
     "clustered_prefill_attention", "clustered_prefill_attention_reference",
     "centroid_lookup_decode", "centroid_lookup_prefill", "centroid_lookup_reference",
-    "clusters_to_indices", "dense_attention_reference", "dense_decode_attention", "gather_then_dense_attention",
+    "clusters_to_indices", "dense_attention_reference", "dense_decode_attention", "gather_live_rows",
+    "gather_live_rows_reference", "gather_then_dense_attention",
     "hierarchical_lookup_decode", "hierarchical_lookup_prefill", "hierarchical_lookup_reference", "hierarchical_scores",
     "quest_decode_attention",
     "quest_decode_attention_reference", "quest_page_minmax", "quest_page_scores",

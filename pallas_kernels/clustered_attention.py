@@ -24,8 +24,8 @@ Offsets are clipped into ``[0, L]`` inside the kernels (a cluster with
 non-decreasing (``cluster_sort_layout`` makes them so) for the result to mean
 anything.
 
-Decode (``clustered_decode_attention``) = 2 Pallas kernels + a fused jnp merge,
-no host synchronisation and no index list:
+Decode (``clustered_decode_attention``) = 3 Pallas kernels, no host synchronisation
+and no index list:
 
 (A) ``_score_kernel``, grid (Hkv, centroid blocks of ``block_c``): loads its
     centroid block once for the ``g`` query heads of the KV head, writes the
@@ -42,7 +42,8 @@ no host synchronisation and no index list:
     streams the concatenated row ranges in tiles of ``block_k`` rows -- one K/V
     tile load serves the ``g`` query heads stacked as rows.  Every program writes
     an unnormalised partial ``(o, m, l)``.
-(C) a log-sum-exp merge of the partials (one fused XLA reduction).
+(C) ``_merge_kernel``, grid (Hkv, g, head-dim blocks): the log-sum-exp merge of the
+    partials, written in the output dtype (reference: ``_merge``).
 
 Prefill (``clustered_prefill_attention``, a block of T tokens, one selection per
 head for the block): scores by the existing ``centroid_lookup_prefill`` kernels,
@@ -454,8 +455,9 @@ def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q
 
 
 def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
-                   *, scale, vote, return_stats, reduce_stats, cfg: ClusteredConfig, backend):
-  """-> (o [Hq, d] f32, lse [Hq] f32, selected | None, rows | None)."""
+                   *, scale, vote, return_stats, reduce_stats, cfg: ClusteredConfig, backend,
+                   out_dtype=jnp.float32):
+  """-> (o [Hq, d] out_dtype, lse [Hq] f32, selected | None, rows | None)."""
   hq, d = q.shape
   num_l = k.shape[1]
   num_c = centroids.shape[1]
@@ -470,8 +472,8 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
   o, m, l, sel = _attend_call(p, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
                               kv_pos_new, scale=scale, return_stats=return_stats, cfg=cfg,
                               backend=backend)
-  out, lse = _merge(o, m, l)
-  out, lse = out[..., :d].reshape(hq, d), lse.reshape(hq)
+  out, lse = _merge_pallas(o, m, l, d=d, out_dtype=out_dtype, backend=backend)
+  out, lse = out.reshape(hq, d), lse.reshape(hq)
   if not return_stats:
     return out, lse, None, None
   sel = (sel.reshape(hq, p.cx) if vote == "q" else sel)[:, :num_c] != 0
@@ -479,13 +481,13 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
 
 
 def _decode_selected_pallas(q, k, v, offsets, selected, k_new, v_new, q_pos, kv_pos_new, *, scale,
-                            vote, cfg: ClusteredConfig, backend):
+                            vote, cfg: ClusteredConfig, backend, out_dtype=jnp.float32):
   """Kernel B alone over a selection made elsewhere (e.g. the hierarchical lookup).
 
   The selection enters as indicator logits, x = 0 where a head's set holds the cluster and
   MASK elsewhere, with one (M, D) = (0, 1) per head: the kernel's S = exp(x - M) / D is then
   1 or 0 for every head of the set, and S > 1/2 (the group mean for vote "kv") selects
-  exactly ``selected``.  -> (o [Hq, d] f32, lse [Hq] f32)."""
+  exactly ``selected``.  -> (o [Hq, d] out_dtype, lse [Hq] f32)."""
   hq, d = q.shape
   hkv, num_l, _ = k.shape
   num_c = offsets.shape[1] - 1
@@ -497,12 +499,57 @@ def _decode_selected_pallas(q, k, v, offsets, selected, k_new, v_new, q_pos, kv_
   o, m, l, _ = _attend_call(p, cm.pad_axis(q, 1, p.dp), offsets.reshape(-1), x, ms, ls, k, v,
                             jnp.float32(0.5), k_new, v_new, q_pos, kv_pos_new, scale=scale,
                             return_stats=False, cfg=cfg, backend=backend)
-  out, lse = _merge(o, m, l)
-  return out[..., :d].reshape(hq, d), lse.reshape(hq)
+  out, lse = _merge_pallas(o, m, l, d=d, out_dtype=out_dtype, backend=backend)
+  return out.reshape(hq, d), lse.reshape(hq)
+
+
+MERGE_COLS = 32   # head-dim columns per merge program
+
+
+def _merge_kernel(o_ref,     # [Hkv, P, g, dp] f32 unnormalised partials
+                  m_ref,     # [Hkv, P, g] f32 partial maxima
+                  l_ref,     # [Hkv, P, g] f32 partial denominators (0: the program saw nothing)
+                  out_ref,   # out [Hkv, g, d] in the output dtype
+                  lse_ref,   # out [Hkv, g] f32
+                  *, n_prog, p2, d):
+  kv, h, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  pr = jnp.arange(p2, dtype=jnp.int32)
+  pv = pr < n_prog
+  m = plgpu.load(m_ref.at[kv, pl.ds(0, p2), h], mask=pv, other=cm.MASK_VALUE)
+  l = plgpu.load(l_ref.at[kv, pl.ds(0, p2), h], mask=pv, other=0.0)
+  live = pv & (l > 0)
+  mx = jnp.max(jnp.where(live, m, cm.MASK_VALUE))
+  w = jnp.where(live, jnp.exp(m - mx), 0.0)                           # [P2]
+  den = jnp.sum(w * l)
+  cols = cb * MERGE_COLS + jnp.arange(MERGE_COLS, dtype=jnp.int32)
+  o = plgpu.load(o_ref.at[kv, pl.ds(0, p2), h, pl.ds(cb * MERGE_COLS, MERGE_COLS)],
+                 mask=pv[:, None], other=0.0)                          # [P2, MERGE_COLS]
+  num = jnp.sum(jnp.where(live[:, None], o, 0.0) * w[:, None], axis=0)
+  ok = den > 0
+  out = jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+  plgpu.store(out_ref.at[kv, h, pl.ds(cb * MERGE_COLS, MERGE_COLS)], out.astype(out_ref.dtype),
+              mask=cols < d)
+  lse = jnp.where(ok, mx + jnp.log(jnp.where(ok, den, 1.0)), -jnp.inf)
+  plgpu.store(lse_ref.at[kv, pl.ds(h, 1)], jnp.full((1,), lse, jnp.float32))   # same value from every column block
+
+
+def _merge_pallas(o, m, l, *, d, out_dtype, backend):
+  """``_merge`` as one Pallas kernel writing [Hkv, g, d] in ``out_dtype`` (XLA made three
+  reductions and a cast of it: four launches in every decode step).  Grid (Hkv, g, column
+  blocks of ``MERGE_COLS``): each program reads its head's P partial statistics and a
+  [P, MERGE_COLS] slab of the partial outputs.  -> (o [Hkv, g, d], lse [Hkv, g] f32)."""
+  hkv, n_prog, g, dp = o.shape
+  kern = functools.partial(_merge_kernel, n_prog=n_prog, p2=max(16, cm.next_pow2(n_prog)), d=d)
+  return pallas_call(kern, backend=backend, num_warps=4, num_stages=1,
+                     grid=(hkv, g, cm.cdiv(dp, MERGE_COLS)),
+                     out_shape=[jax.ShapeDtypeStruct((hkv, g, d), out_dtype),
+                                jax.ShapeDtypeStruct((hkv, g), jnp.float32)],
+                     name="clustered_merge")(o, m, l)
 
 
 def _merge(o, m, l):
-  """Log-sum-exp merge over axis 1 of [Hkv, P, g, dp] partials.
+  """Log-sum-exp merge over axis 1 of [Hkv, P, g, dp] partials (the reference of
+  ``_merge_pallas``).
 
   -> (o [Hkv, g, dp] f32 normalised, lse [Hkv, g] f32; -inf where nothing was seen)."""
   mx = jnp.max(jnp.where(l > 0, m, cm.MASK_VALUE), axis=1, keepdims=True)
@@ -690,8 +737,8 @@ def clustered_decode_attention(
 
   Returns o [Hq, d] in q's dtype; with ``return_stats`` also
   ``selected [Hs, C] bool`` and ``rows [Hs] int32`` (retrieved clustered rows +
-  exact rows; the new part not included).  Two Pallas launches + a fused merge;
-  no capacity, no overflow, no host synchronisation.
+  exact rows; the new part not included).  Three Pallas launches (scores, attention,
+  merge); no capacity, no overflow, no host synchronisation.
   """
   _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
             kv_pos_new, 2, vote)
@@ -705,8 +752,7 @@ def clustered_decode_attention(
   o, _, sel, rows = _decode_pallas(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new,
                                    v_new, q_pos, kv_pos_new, scale=scale, vote=vote,
                                    return_stats=return_stats, reduce_stats=None,
-                                   cfg=config or ClusteredConfig(), backend=be)
-  o = o.astype(q.dtype)
+                                   cfg=config or ClusteredConfig(), backend=be, out_dtype=q.dtype)
   return (o, sel, rows) if return_stats else o
 
 
@@ -758,8 +804,9 @@ def clustered_decode_selected(
                                                kv_pos_new, scale=scale)
   _check_vote_q_group(q, k_sorted, vote)
   o, _ = _decode_selected_pallas(q, k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos, kv_pos_new,
-                                 scale=scale, vote=vote, cfg=config or ClusteredConfig(), backend=be)
-  return o.astype(q.dtype)
+                                 scale=scale, vote=vote, cfg=config or ClusteredConfig(), backend=be,
+                                 out_dtype=q.dtype)
+  return o
 
 
 def _check_vote_q_group(q, k_sorted, vote):

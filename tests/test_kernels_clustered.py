@@ -517,6 +517,33 @@ def test_prefill_interpret_matches_reference(rng, vote, dtype, capacity):
 # ----------------------------------------------------------------------------
 # Dispatch and validation.
 # ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,d,n_prog", [(BF, 48, 37), (jnp.float32, 128, 16)])
+def test_merge_kernel_matches_reference(rng, dtype, d, n_prog):
+  """The merge kernel (interpret) == the jnp log-sum-exp merge: programs that saw nothing
+  (l = 0, garbage m and o) are ignored, a head that saw nothing gets 0 and lse -inf, the
+  padded head-dim columns are never written, the output is in the requested dtype."""
+  from pallas_kernels import clustered_attention as clat
+  hkv, g, dp = 3, 4, max(16, 1 << (d - 1).bit_length())
+  o = rng.normal(size=(hkv, n_prog, g, dp)).astype(np.float32)
+  m = rng.normal(size=(hkv, n_prog, g)).astype(np.float32) * 3
+  l = rng.random((hkv, n_prog, g)).astype(np.float32) + 0.1
+  dead = rng.random((hkv, n_prog, g)) < 0.3
+  l[dead] = 0.0
+  m[dead] = np.nan                        # never read where l = 0
+  o[dead] = np.nan
+  l[1, :, 2] = 0.0                        # one head saw nothing at all
+  ref_o, ref_lse = clat._merge(jnp.asarray(np.where(dead[..., None], 0.0, o)), jnp.asarray(np.where(dead, 0.0, m)),
+                               jnp.asarray(l))
+  out, lse = clat._merge_pallas(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), d=d, out_dtype=dtype,
+                                backend="interpret")
+  assert out.shape == (hkv, g, d) and out.dtype == dtype and lse.shape == (hkv, g)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_o[..., :d].astype(dtype), np.float32),
+                             rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6)
+  assert not np.asarray(out[1, 2], np.float32).any() and np.isneginf(np.asarray(lse[1, 2]))
+
+
 def test_auto_is_reference_on_cpu(rng):
   x, meta = make_case(rng, hq=4, hkv=2, num_c=9, n_clustered=50, n_tail=3, d=16, num_s=4)
   args = args_of(x, 0.01)
@@ -615,7 +642,7 @@ def test_decode_lowers(fake_h100, vote, return_stats, dtype, num_l, num_c, num_s
          sds((HKV, num_c, D), dtype), sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32),
          sds((HKV, num_s, D), dtype), sds((HKV, num_s, D), dtype), sds((1,), jnp.int32),
          sds((num_s,), jnp.int32))
-  assert len(fake_h100) == 2                       # scoring + attention kernels
+  assert len(fake_h100) == 3                       # scoring + attention + merge kernels
 
 
 def test_decode_selected_lowers(fake_h100):
@@ -624,7 +651,7 @@ def test_decode_selected_lowers(fake_h100):
          sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c + 1), jnp.int32),
          sds((HKV, num_c), bool), sds((HKV, num_s, D)), sds((HKV, num_s, D)), sds((1,), jnp.int32),
          sds((num_s,), jnp.int32))
-  assert len(fake_h100) == 1                       # the attention kernel alone
+  assert len(fake_h100) == 2                       # the attention kernel + the merge
 
 
 @pytest.mark.parametrize("cfg", [
