@@ -18,7 +18,8 @@ offsets are shared (they never fit in L2).
       score  = kernel A alone (``clustered_attention._score_call``: the pallas_call that
                ``_decode_pallas`` makes),
       attend = kernel B alone (``_attend_call``) on precomputed logits x and block stats,
-      merge  = the log-sum-exp merge of B's partials (``_merge``) + the final slice/cast,
+      merge  = the log-sum-exp merge of B's partials (the ``_merge_pallas`` kernel, which writes
+               the output dtype),
       whole  = ``clustered_decode_attention`` end to end (whole - the three = glue);
     against, in the same run, dense attention over all L + S keys (cuDNN, XLA and the Pallas
     split-KV dense kernel, timed by ``benchmarks.speed._dense_times``) and a device-to-device
@@ -181,8 +182,8 @@ def split_fns(plan: Plan, ctx: dict, p, cfg: ClusteredConfig) -> dict[str, Calla
     return clat._attend_call(p, qf, offs, x, ms, ls, k, v, thr, kn, vn, qp, kvp, scale=scale,
                              return_stats=False, cfg=cfg, backend=be)[:3]
 
-  def merge(o, m, l):                  # [Hkv, P, g, dp] partials -> [Hq, d] bf16
-    return clat._merge(o, m, l)[0][..., :d].reshape(hq, d).astype(BF16)
+  def merge(o, m, l):                  # [Hkv, P, g, dp] partials -> [Hq, d] bf16 (what the library runs)
+    return clat._merge_pallas(o, m, l, d=d, out_dtype=BF16, backend=be)[0].reshape(hq, d)
 
   return {"score_all": jax.jit(score_all),
           "score": jax.jit(lambda *a: score_all(*a)[2:]),
