@@ -308,7 +308,7 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
                 row["prefill_lookup_busy_ms"] = tr["busy_ms_per_call"]
                 row["prefill_lookup_kernels"] = tr["kernels"]
             tr = kernel_time_per_call(kern if kernel else lib, [((kidx, layout) if kernel else (index,)) + s
-                                                                for s in sets], n=3, top=8)
+                                                                for s in sets], n=3, top=24)
             if tr:
                 row["prefill_busy_ms"] = tr["busy_ms_per_call"]
                 row["prefill_span_ms"] = tr["span_ms_per_call"]  # busy + idle between kernels (+ between calls)

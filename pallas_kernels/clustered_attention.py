@@ -222,7 +222,9 @@ def _score_kernel(q_ref,      # [Hq, dp]
   jv = j < p.num_c
   _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
   valid = jv & (cnt > 0)
-  c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)            # [Bc, dp]
+  # Masked by the bounds only, not by the counts: the row load then does not wait for the
+  # offsets load (one dependent memory round trip less); empty clusters are masked below.
+  c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, jv)               # [Bc, dp]
   if exact_dot:
     x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
   else:
@@ -322,8 +324,10 @@ def _attn_kernel(thr_ref,      # [1] f32
     lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
     valid = cv & (cnt > 0)
     xmask = hv[:, None] & valid[None, :]
-    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=xmask,
-                   other=cm.MASK_VALUE)                                # [rp, Bcs]
+    # loaded under the bounds mask (kernel A wrote every column < C), so that this load
+    # is issued alongside the offsets load instead of after it; xmask applies below
+    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)],
+                   mask=hv[:, None] & cv[None, :], other=cm.MASK_VALUE)  # [rp, Bcs]
     s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
     if vote_q:
       selh = xmask & (s > thr)                                         # [rp, Bcs]
@@ -949,7 +953,7 @@ def clustered_prefill_attention(
     idx, n, _ = _expand_positions(sel, offsets, num_l, c)
     if cudnn_ok:
       return gather_then_dense_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos,
-                                         kv_pos_new, scale=scale, backend=be)
+                                         kv_pos_new, scale=scale, backend=be, compact=True)
     return sparse_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos, kv_pos_new,
                             scale=scale, backend=be)
 

@@ -231,7 +231,8 @@ def _gather_kernel(n_ref,    # [Hs] int32 live rows per selection head
   live = j < n
   write = j < n + GATHER_ZERO                   # live rows + a zeroed margin; the rest untouched
   pos = cm.gather_vec(idx_ref, s * cap + j, live)
-  rows = jnp.where(live, lax.div(s, jnp.int32(per_kv)) * num_l + pos, 0)
+  # clipped: in bounds whatever a caller's promise of compact rows holds
+  rows = jnp.where(live, lax.div(s, jnp.int32(per_kv)) * num_l + jnp.clip(pos, 0, num_l - 1), 0)
   cols = jnp.arange(dp, dtype=jnp.int32)
   dmask = (cols < d)[None, :]
   out_rows = s * cap_p + j                      # distinct and in bounds, written or not
@@ -301,18 +302,22 @@ def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation):
   return out, lse.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact"))
 def gather_then_dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, counts: jax.Array,
     k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, kv_pos_new: jax.Array, *,
-    scale: float, return_lse: bool = False, backend: str = "auto"):
+    scale: float, return_lse: bool = False, backend: str = "auto", compact: bool = False):
   """Same result as ``sparse_attention`` by a different route (prefill fast path).
 
-  Compacts each selection head's valid entries (O(cap) cumsum + scatter), gathers
-  the retrieved K/V rows into contiguous ``[Hs, cap, d]`` buffers (``jnp.take``),
-  runs dense attention over them with per-head key lengths, runs dense attention
-  over the new part with the causal position mask, and merges both by
-  log-sum-exp.  Same conventions as ``sparse_attention`` (duplicates counted).
+  Compacts each selection head's valid entries (O(cap) cumsum + scatter; skipped with
+  ``compact=True``, a promise that entries ``[0, counts)`` of each row are positions in
+  ``[0, L)``, as ``sqjax.squeezed.retrieve`` and the clustered prefill build them),
+  gathers the retrieved K/V rows into contiguous ``[Hs, cap_p, d]`` buffers
+  (``gather_live_rows``), runs dense attention over them with per-head key lengths --
+  the ``r = Hq / Hs`` query heads of a selection head folded into the query axis
+  (``[Hs, r T, 1, d]``: a free reshape, no transposes) --, runs dense attention over the
+  new part with the causal position mask, and merges both by log-sum-exp.  Same
+  conventions as ``sparse_attention`` (duplicates counted).
 
   backend: "pallas" (and "auto" on GPU) = cuDNN flash attention
   (``implementation="cudnn"``, bf16/fp16 only); "interpret" = the same plumbing
@@ -331,19 +336,24 @@ def gather_then_dense_attention(
   hs, cap = idx.shape
   num_s = k_new.shape[1]
   r = hq // hs
-  comp, n = _compact(idx, counts, num_l)
+  if compact:
+    comp, n = idx, jnp.clip(counts, 0, cap).astype(jnp.int32)
+  else:
+    comp, n = _compact(idx, counts, num_l)
   ks, vs = gather_live_rows(k, v, comp, n, backend=be)           # [Hs, cap_p >= cap, d]
   if impl == "xla":   # XLA's attention reads every row: zero what the kernel left unwritten
     live = (jnp.arange(ks.shape[1])[None, :] < n[:, None])[..., None]
     ks, vs = jnp.where(live, ks, 0), jnp.where(live, vs, 0)
   ks, vs = ks[:, :, None], vs[:, :, None]                        # [Hs, cap_p, 1, d] (BTNH)
-  qs = jnp.transpose(q.reshape(hs, r, seq_len, d), (0, 2, 1, 3))  # [Hs, T, r, d] (BTNH)
+  # No mask on the fixed part: every query row is independent, so the r query heads of a
+  # selection head can be r * T rows of one head (q is [Hs, r, T, d] in memory already).
+  qs = q.reshape(hs, r * seq_len, 1, d)                          # [Hs, r T, 1, d] (BTNH)
   parts = []
   if cap:
     o1, lse1 = _dense_attention(qs, ks, vs, mask=None, kv_len=n, scale=scale,
-                                implementation=impl)              # [Hs, T, r, d], [Hs, T, r]
-    o1 = jnp.transpose(o1, (0, 2, 1, 3)).reshape(hq, seq_len, d)
-    lse1 = jnp.transpose(lse1, (0, 2, 1)).reshape(hq, seq_len)
+                                implementation=impl)              # [Hs, r T, 1, d], [Hs, r T, 1]
+    o1 = o1.reshape(hq, seq_len, d)
+    lse1 = lse1.reshape(hq, seq_len)
     has1 = jnp.repeat(n > 0, r)[:, None]
     parts.append((o1, lse1, jnp.broadcast_to(has1, (hq, seq_len))))
   if num_s:

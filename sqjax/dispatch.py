@@ -109,7 +109,7 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
         # prefill: gather the retrieved rows compactly, then cuDNN (1.9x faster than the
         # in-kernel gather for 4K queries over 512K on an H200: benchmarks/results/gpu_h200_first)
         return gather_then_dense_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
-                                           scale=scale, backend=b)
+                                           scale=scale, backend=b, compact=True)  # retrieve() builds it compact
     return sparse_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
                             scale=scale, backend=b)
 

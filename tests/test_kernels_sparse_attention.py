@@ -197,11 +197,16 @@ def test_unwritten_partials_are_poisoned_but_ignored(rng):
   np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("dtype,seq_len,hs", [(jnp.float32, 7, 2), (jnp.bfloat16, 5, 8)])
-def test_gather_then_dense_matches_reference(rng, dtype, seq_len, hs):
+def test_gather_then_dense_matches_reference(rng, dtype, seq_len, hs, compact):
+  """GQA 4:1 (hs = 2: four query heads folded into each head's query axis) and 1:1; rows
+  nobody retrieved are NaN; ``compact=True`` (entries below each count are positions, as
+  make_inputs builds them) skips the compaction and must give the same result."""
   args = make_inputs(rng, 8, 2, hs, seq_len, 70, 12, 30, 32, dtype, poison=True)
   ref, ref_lse = sparse_attention_reference(*args, scale=0.2, return_lse=True)
-  out, lse = gather_then_dense_attention(*args, scale=0.2, return_lse=True, backend="interpret")
+  out, lse = gather_then_dense_attention(*args, scale=0.2, return_lse=True, backend="interpret",
+                                         compact=compact)
   # bf16: XLA's dense attention rounds its LSE to bf16 before the merge.
   tol = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=6e-2, atol=6e-2)
   out = np.asarray(out, np.float32)
