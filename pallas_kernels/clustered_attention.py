@@ -222,9 +222,7 @@ def _score_kernel(q_ref,      # [Hq, dp]
   jv = j < p.num_c
   _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
   valid = jv & (cnt > 0)
-  # Masked by the bounds only, not by the counts: the row load then does not wait for the
-  # offsets load (one dependent memory round trip less); empty clusters are masked below.
-  c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, jv)               # [Bc, dp]
+  c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)            # [Bc, dp]
   if exact_dot:
     x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
   else:
@@ -324,10 +322,8 @@ def _attn_kernel(thr_ref,      # [1] f32
     lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
     valid = cv & (cnt > 0)
     xmask = hv[:, None] & valid[None, :]
-    # loaded under the bounds mask (kernel A wrote every column < C), so that this load
-    # is issued alongside the offsets load instead of after it; xmask applies below
-    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)],
-                   mask=hv[:, None] & cv[None, :], other=cm.MASK_VALUE)  # [rp, Bcs]
+    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=xmask,
+                   other=cm.MASK_VALUE)                                # [rp, Bcs]
     s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
     if vote_q:
       selh = xmask & (s > thr)                                         # [rp, Bcs]

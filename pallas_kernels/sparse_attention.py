@@ -281,9 +281,12 @@ def gather_live_rows(k, v, idx, n, *, backend: str):
   return ko.reshape(hs, cap_p, d), vo.reshape(hs, cap_p, d)
 
 
-def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation):
-  """BTNH dense attention returning (out, lse [B, T, N] f32)."""
-  b, t, _, _ = query.shape
+def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation, layout="BTNH"):
+  """Dense attention in ``layout`` "BTNH" (-> out BTNH, lse [B, T, N] f32) or "BNTH" (-> out
+  BNTH, lse [B, N, T] f32: what ``[H, T, d]`` arrays are with a unit batch, no transposes).
+  mask: BNTS."""
+  bnth = layout == "BNTH"
+  b, t = query.shape[0], query.shape[2 if bnth else 1]
   if implementation == "cudnn":
     try:   # Private entry point: it returns the f32 softmax statistics (the public
       # jax.nn API casts them to the input dtype, too coarse for a bf16 LSE merge).
@@ -292,14 +295,16 @@ def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation):
       q_len = jnp.full((b,), t, jnp.int32) if kv_len is not None else None
       out, stats = fa.dot_product_attention(
           query, key, value, None, mask, q_len, kv_len, scale=scale, mask_type=mask_type,
-          qkv_layout="BTNH", return_residual=True)
-      return out, jnp.transpose(stats.astype(jnp.float32), (0, 2, 1))   # BNT -> BTN
+          qkv_layout=layout, return_residual=True)
+      stats = stats.astype(jnp.float32)                                # [B, N, T]
+      return out, (stats if bnth else jnp.transpose(stats, (0, 2, 1)))
     except Exception:  # noqa: BLE001 - private API moved: fall back to the public one
       pass
+  swap = (lambda x: jnp.swapaxes(x, 1, 2)) if bnth else (lambda x: x)  # noqa: E731 - BNTH <-> BTNH
   out, lse = jax.nn.dot_product_attention(
-      query, key, value, mask=mask, scale=scale, key_value_seq_lengths=kv_len,
+      swap(query), swap(key), swap(value), mask=mask, scale=scale, key_value_seq_lengths=kv_len,
       implementation=implementation, return_residual=True)
-  return out, lse.astype(jnp.float32)
+  return swap(out), swap(lse.astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact"))
@@ -316,7 +321,8 @@ def gather_then_dense_attention(
   (``gather_live_rows``), runs dense attention over them with per-head key lengths --
   the ``r = Hq / Hs`` query heads of a selection head folded into the query axis
   (``[Hs, r T, 1, d]``: a free reshape, no transposes) --, runs dense attention over the
-  new part with the causal position mask, and merges both by log-sum-exp.  Same
+  new part with the causal position mask (``[1, Hq, T, d]`` against ``[1, Hkv, S, d]`` in
+  cuDNN's BNTH layout: no transposes either), and merges both by log-sum-exp.  Same
   conventions as ``sparse_attention`` (duplicates counted).
 
   backend: "pallas" (and "auto" on GPU) = cuDNN flash attention
@@ -358,14 +364,13 @@ def gather_then_dense_attention(
     parts.append((o1, lse1, jnp.broadcast_to(has1, (hq, seq_len))))
   if num_s:
     vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])   # [T, S]
-    slot = (kv_pos_new >= 0)[:, None, None]                       # empty slots -> 0
+    slot = (kv_pos_new >= 0)[None, :, None]                       # empty slots -> 0
     o2, lse2 = _dense_attention(
-        jnp.transpose(q, (1, 0, 2))[None],
-        jnp.where(slot, jnp.transpose(k_new, (1, 0, 2)), 0)[None],
-        jnp.where(slot, jnp.transpose(v_new, (1, 0, 2)), 0)[None], mask=vis[None, None], kv_len=None,
-        scale=scale, implementation=impl)                         # [1, T, Hq, d], [1, T, Hq]
+        q[None], jnp.where(slot, k_new, 0)[None], jnp.where(slot, v_new, 0)[None],
+        mask=vis[None, None], kv_len=None, scale=scale, implementation=impl,
+        layout="BNTH")                                            # [1, Hq, T, d], [1, Hq, T]
     has2 = jnp.broadcast_to(jnp.any(vis, axis=1)[None, :], (hq, seq_len))
-    parts.append((jnp.transpose(o2[0], (1, 0, 2)), jnp.transpose(lse2[0], (1, 0)), has2))
+    parts.append((o2[0], lse2[0], has2))
   out = jnp.zeros((hq, seq_len, d), jnp.float32)
   if not parts:
     lse = jnp.full((hq, seq_len), -jnp.inf)
