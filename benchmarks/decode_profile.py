@@ -17,7 +17,7 @@ offsets are shared (they never fit in L2).
     ``ClusteredConfig``), each piece its own jit:
       score  = kernel A alone (``clustered_attention._score_call``: the pallas_call that
                ``_decode_pallas`` makes),
-      attend = kernels S and B (``_attend_call``: selection, attention) on precomputed logits x and block stats,
+      attend = kernel B alone (``_attend_call``) on precomputed logits x and block stats,
       merge  = the log-sum-exp merge of B's partials (the ``_merge_pallas`` kernel, which writes
                the output dtype),
       whole  = ``clustered_decode_attention`` end to end (whole - the three = glue);
@@ -180,7 +180,7 @@ def split_fns(plan: Plan, ctx: dict, p, cfg: ClusteredConfig) -> dict[str, Calla
 
   def attend(thr, qf, offs, x, ms, ls, k, v, kn, vn, qp, kvp):   # -> o, m, l partials
     return clat._attend_call(p, qf, offs, x, ms, ls, k, v, thr, kn, vn, qp, kvp, scale=scale,
-                             cfg=cfg, backend=be)[:3]
+                             return_stats=False, cfg=cfg, backend=be)[:3]
 
   def merge(o, m, l):                  # [Hkv, P, g, dp] partials -> [Hq, d] bf16 (what the library runs)
     return clat._merge_pallas(o, m, l, d=d, out_dtype=BF16, backend=be)[0].reshape(hq, d)
@@ -305,8 +305,8 @@ def sweep_configs(plan: Plan) -> list[ClusteredConfig]:
 
 def _plan_info(plan: Plan, ctx: dict, cfg: ClusteredConfig) -> dict:
   p = clat._make_plan(plan.hq, plan.hkv, ctx["L"], ctx["C"], ctx["S"], plan.d, VOTE, cfg)
-  return {"programs_attn": plan.hkv * p.n_prog, "cluster_programs_per_kv": p.n_cl,
-          "select_programs": plan.hkv * p.nb, "sub_clusters": p.bcs, "score_programs": plan.hkv * p.n_a}
+  return {"programs_attn": plan.hkv * p.n_prog, "cluster_programs_per_kv": p.n_cb,
+          "clusters_per_program": p.bc, "sub_clusters": p.bcs, "score_programs": plan.hkv * p.n_a}
 
 
 def run_config(plan: Plan, case: dict, ctx: dict, ref: dict, cfg: ClusteredConfig, log) -> dict:
@@ -370,12 +370,11 @@ def bytes_accounting(plan: Plan, ctx: dict, p, rows_by_set: list, copy_tb: float
   logits = hkv * p.g * ctx["C"] * 4                                      # x, one way
   stats = 2 * hkv * p.g * p.n_a * 4                                      # (m_b, l_b), one way
   partials = hkv * p.n_prog * p.g * (p.dp + 2) * 4                       # (o, m, l), one way
-  select = hkv * (p.cx + p.nb2) * 4                                      # head bits + block counts, one way
   kv_rows = rows * 2 * d * el
   kv_new = hkv * num_s * 2 * d * el
   out = hq * d * el
   pieces = {"score": cen + offs + q_b + logits + stats,
-            "attend": kv_rows + kv_new + 2 * offs + q_b + logits + stats + 2 * select + partials,
+            "attend": kv_rows + kv_new + offs + q_b + logits + stats + partials,
             "merge": partials + out}
   pieces["whole"] = sum(pieces.values())
   res = {"centroid_bytes": float(cen), "kv_rows_bytes": kv_rows, "kv_new_bytes": float(kv_new),

@@ -729,24 +729,25 @@ def clustered_configs(plan: Plan) -> list[ClusteredConfig | None]:
   if not plan.sweep:
     return [None]
   return [None,
-          ClusteredConfig(target_programs=768),
-          ClusteredConfig(sub_clusters=256),
-          ClusteredConfig(sub_clusters=64, block_k=32, num_stages=3),
-          ClusteredConfig(block_k=64, num_warps=8),
+          ClusteredConfig(block_clusters=128, sub_clusters=128),
+          ClusteredConfig(block_clusters=256, sub_clusters=256),
+          ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
+          ClusteredConfig(block_clusters=512, sub_clusters=128, block_k=64, num_warps=8),
           ClusteredConfig(target_programs=2048, block_k=32)]
 
 
 def _cfg_label(cfg: ClusteredConfig | None) -> str:
   if cfg is None:
     return "default"
-  return (f"sub{cfg.sub_clusters}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-          + f"_t{cfg.target_programs}")
+  bc = "auto" if cfg.block_clusters is None else cfg.block_clusters
+  return (f"bc{bc}_sub{cfg.sub_clusters}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
+          + (f"_t{cfg.target_programs}" if cfg.target_programs != 768 else ""))
 
 
 def run_clustered(plan: Plan, case: dict, sets: list[dict], layout: dict, attempt, *,
                   seq_len: int, num_s: int, inner: int) -> None:
   """Clustered pipeline rows (cluster-contiguous layout): decode = scoring kernel +
-  selection kernel + attention kernel + merge; prefill = lookup + range expansion + gather + cuDNN."""
+  attention kernel + merge; prefill = lookup + range expansion + gather + cuDNN."""
   hq, hkv, d = plan.hq, plan.hkv, plan.d
   num_l = case["L"]
   num_c = case["C"]
@@ -794,9 +795,8 @@ def run_clustered(plan: Plan, case: dict, sets: list[dict], layout: dict, attemp
       for r in rows:
         kv_bytes = r.sum() * 2 * d * 2 + hkv * num_s * 2 * d * 2
         other = (hkv * num_c * d * 2                  # centroids
-                 + 3 * hkv * (num_c + 1) * 4          # offsets (kernels A, S and B)
-                 + 2 * hq * num_c * 4                 # logits written by A, read by S
-                 + 2 * hkv * (p.cx + p.nb2) * 4       # head bits + block counts, S -> B
+                 + 2 * hkv * (num_c + 1) * 4          # offsets (kernels A and B)
+                 + 2 * hq * num_c * 4                 # logits written by A, read by B
                  + 2 * hkv * p.n_prog * p.g * (d + 2) * 4)   # partials written + merged
         byts.append(kv_bytes + other)
       cl["rows_per_head_first_set"] = rows[0].astype(int).tolist()

@@ -24,27 +24,24 @@ Offsets are clipped into ``[0, L]`` inside the kernels (a cluster with
 non-decreasing (``cluster_sort_layout`` makes them so) for the result to mean
 anything.
 
-Decode (``clustered_decode_attention``) = 4 Pallas kernels, no host synchronisation
+Decode (``clustered_decode_attention``) = 3 Pallas kernels, no host synchronisation
 and no index list:
 
 (A) ``_score_kernel``, grid (Hkv, centroid blocks of ``block_c``): loads its
     centroid block once for the ``g`` query heads of the KV head, writes the
     scaled logits ``x = s q.C`` [Hkv, g, C] (f32) and per block the max ``m_b`` and
     ``l_b = sum N exp(x - m_b)``.
-(S) ``_select_kernel``, grid (Hkv, blocks of ``sub_clusters`` clusters): reduces the
-    block stats of its heads to the global max ``M`` and denominator ``D``, forms
-    ``S = exp(x - M) / D``, votes, and writes per cluster the bit mask of the heads
-    that selected it (vote "kv": 1 bit) and per block the number of selected rows.
-(B) ``_attn_kernel``, grid (Hkv, programs).  Programs are the new part in chunks of
-    ``chunk_new`` keys, then ``P`` programs per KV head that split the head's
-    *selected* rows evenly: the concatenation of the selected clusters' row ranges
-    followed by the exact part is one virtual sequence; each program takes an equal
-    run of it (whole tiles), finds the blocks of clusters it overlaps from the
-    per-block counts (a prefix sum in registers), prefix-sums each block's selected
-    sizes and streams its rows in tiles of ``block_k`` -- one K/V tile load serves the
-    ``g`` query heads stacked as rows (vote "q": rows masked per head by the bits).
-    The work per program no longer depends on where the query's clusters sit in the
-    numbering.  Every program writes an unnormalised partial ``(o, m, l)``.
+(B) ``_attn_kernel``, grid (Hkv, programs).  Programs are, in this order: the new
+    part in chunks of ``chunk_new`` keys, the exact part split over
+    ``exact_programs`` programs, then one program per ``block_clusters``
+    clusters.  A cluster program reduces the block stats of its heads to the
+    global max ``M`` and denominator ``D`` (``nA`` values per head), and for each
+    sub-block of ``sub_clusters`` clusters forms ``S = exp(x - M) / D``, votes,
+    prefix-sums the sizes of the selected clusters (vote "q": of the union over
+    the group, with a per-cluster bit mask of the heads that selected it) and
+    streams the concatenated row ranges in tiles of ``block_k`` rows -- one K/V
+    tile load serves the ``g`` query heads stacked as rows.  Every program writes
+    an unnormalised partial ``(o, m, l)``.
 (C) ``_merge_kernel``, grid (Hkv, g, head-dim blocks): the log-sum-exp merge of the
     partials, written in the output dtype (reference: ``_merge``).
 
@@ -87,21 +84,25 @@ class ClusteredConfig:
   """Static tiling of the clustered decode kernels.
 
   block_c: centroids per scoring program (kernel A), power of two >= 16.
-  sub_clusters: clusters per selection program (kernel S) and per prefix sum in
-    kernel B (the width of the per-tile row -> cluster search), power of two >= 16.
+  block_clusters: clusters per attention program (kernel B), a multiple of
+    ``sub_clusters``; None = power of two chosen so that about
+    ``target_programs`` cluster programs run.
+  sub_clusters: clusters prefix-summed together (the width of the per-tile
+    row -> cluster search), power of two >= 16.
   block_k: K/V rows per tile (power of two >= 16).
   chunk_new: user-input keys per program (multiple of block_k) or None (auto).
-  target_programs: kernel B programs over the fixed context, all KV heads together
-    (each KV head gets ``ceil(target_programs / Hkv)`` equal shares of its rows).
+  exact_programs: programs per KV head for the exact part (>= 1).
   reduce_stats_first: reduce the scoring kernel's per-block (m, l) to one (M, D)
-    per head in XLA before kernel S (otherwise every selection program reduces the
+    per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
     devices (``clustered_decode_partial(reduce_stats=...)``).
   """
   block_c: int = 256
-  sub_clusters: int = 128
+  block_clusters: int | None = None
+  sub_clusters: int = 128  # best measured on H200 at 512K (benchmarks/results/gpu_h200_kernels)
   block_k: int = 64
   chunk_new: int | None = None
+  exact_programs: int = 2
   num_warps: int = 4
   num_stages: int = 2
   score_warps: int = 4
@@ -112,10 +113,17 @@ class ClusteredConfig:
     cm.check_pow2("block_c", self.block_c)
     cm.check_pow2("sub_clusters", self.sub_clusters)
     cm.check_pow2("block_k", self.block_k)
+    bc = self.block_clusters
+    if bc is not None and (not isinstance(bc, int) or bc < self.sub_clusters
+                           or bc % self.sub_clusters):
+      raise ValueError(f"block_clusters must be None or a positive multiple of sub_clusters="
+                       f"{self.sub_clusters}, got {bc!r}")
     cn = self.chunk_new
     if cn is not None and (not isinstance(cn, int) or cn < self.block_k or cn % self.block_k):
       raise ValueError(f"chunk_new must be None or a positive multiple of block_k={self.block_k},"
                        f" got {cn!r}")
+    if not isinstance(self.exact_programs, int) or self.exact_programs < 1:
+      raise ValueError(f"exact_programs must be a positive int, got {self.exact_programs!r}")
     cm.check_warps_stages(self.num_warps, self.num_stages)
     cm.check_warps_stages(self.score_warps, 1)
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
@@ -136,21 +144,21 @@ class _Plan:
   block_c: int     # kernel A
   n_a: int         # centroid blocks
   n_a2: int        # n_a padded to a power of two
-  n_sa: int        # columns of the (m, l) statistics kernel S reads (power of two)
+  n_sa: int        # columns of the (m, l) statistics kernel B reads (power of two)
   n_sv: int        # ... of which valid: n_a (block stats) or 1 (one (M, D) per head)
-  bcs: int         # clusters per selection block
-  nb: int          # selection blocks per KV head
-  nb2: int         # nb padded to a power of two (the per-block counts kernel B loads)
-  n_cl: int        # kernel B programs per KV head over the fixed context
-  cx: int          # columns of the logits / head-bits buffers (>= nb * bcs)
+  bc: int          # clusters per kernel-B program
+  bcs: int         # sub-block
+  n_cb: int        # cluster programs per KV head
+  cx: int          # columns of the logits buffer
   block_k: int
   chunk_new: int
   n_new: int       # new-part programs per KV head
+  n_ex: int        # exact-part programs per KV head
   vote: str
 
   @property
   def n_prog(self) -> int:
-    return self.n_new + self.n_cl
+    return self.n_new + self.n_ex + self.n_cb
 
 
 def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _Plan:
@@ -160,8 +168,14 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
   block_c = min(cfg.block_c, cpow)
   n_a = cm.cdiv(num_c, block_c)
   bcs = min(cfg.sub_clusters, cpow)
-  nb = cm.cdiv(num_c, bcs)
-  cx = max(n_a * block_c, nb * bcs)
+  if cfg.block_clusters is not None:
+    bc = max(bcs, min(cfg.block_clusters, cm.cdiv(cpow, bcs) * bcs))
+  else:
+    want = max(1.0, hkv * num_c / cfg.target_programs)
+    bc = 1 << max(0, round(np.log2(want)))       # nearest power of two in log scale
+    bc = max(bcs, min(bc, 1024, cpow))
+  n_cb = cm.cdiv(num_c, bc)
+  cx = max(n_a * block_c, n_cb * bc)
   bk = cfg.block_k
   if num_s:
     if cfg.chunk_new is not None:
@@ -172,13 +186,11 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     n_new = cm.cdiv(num_s, chunk_new)
   else:
     chunk_new, n_new = bk, 0
-  # no more programs than tiles the fixed context could ever fill
-  n_cl = max(1, min(cm.cdiv(cfg.target_programs, hkv), cm.cdiv(num_l, bk)))
   return _Plan(hq=hq, hkv=hkv, g=g, rp=rp, num_l=num_l, num_c=num_c, num_s=num_s,
                dp=cm.padded_head_dim(d), block_c=block_c, n_a=n_a,
-               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a,
-               bcs=bcs, nb=nb, nb2=max(16, cm.next_pow2(nb)), n_cl=n_cl, cx=cx,
-               block_k=bk, chunk_new=chunk_new, n_new=n_new, vote=vote)
+               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
+               block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
+               vote=vote)
 
 
 # ----------------------------------------------------------------------------
@@ -225,69 +237,22 @@ def _score_kernel(q_ref,      # [Hq, dp]
   plgpu.store(l_ref.at[kv, pl.ds(0, p.rp), cb], l, mask=hv)
 
 
-def _head_stats(ms_ref, ls_ref, kv, hv, *, p: _Plan, live=True):
-  """This KV head's query heads' Eq. 1 max ``M`` and ``1 / D`` from the scoring kernel's
-  block statistics (or from one (M, D) per head, ``n_sv == 1``).  -> (M [rp], 1/D [rp])."""
-  cols = jnp.arange(p.n_sa, dtype=jnp.int32)
-  smask = hv[:, None] & (cols < p.n_sv)[None, :] & live
-  ms = plgpu.load(ms_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask,
-                  other=cm.MASK_VALUE)                                 # [rp, nSA]
-  ls = plgpu.load(ls_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask, other=0.0)
-  big_m = jnp.max(ms, axis=1)                                          # [rp]
-  den = jnp.sum(jnp.where(smask, ls * jnp.exp(ms - big_m[:, None]), 0.0), axis=1)
-  return big_m, jnp.where(hv & (den > 0), 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-
-
-def _select_kernel(thr_ref,      # [1] f32
-                   offs_ref,     # [Hkv * (C + 1)] int32
-                   x_ref,        # [Hkv, g, Cx] f32
-                   ms_ref,       # [Hkv, g, nSA] f32
-                   ls_ref,       # [Hkv, g, nSA] f32
-                   bits_ref,     # out [Hkv, Cx] int32: heads (bit i = query head i of the group;
-                                 #     vote "kv": bit 0 = the group) that selected each cluster
-                   btot_ref,     # out [Hkv, nB2] int32: selected rows of each block
-                   *, p: _Plan):
-  """Kernel S: Eq. 1 scores of ``sub_clusters`` clusters, the vote and the threshold."""
-  kv = pl.program_id(0)
-  b = pl.program_id(1)
-  i32 = jnp.int32
-  hr = jnp.arange(p.rp, dtype=i32)
-  hv = hr < p.g
-  big_m, inv_den = _head_stats(ms_ref, ls_ref, kv, hv, p=p)
-  c0 = b * p.bcs
-  c = c0 + jnp.arange(p.bcs, dtype=i32)
-  cv = c < p.num_c
-  _, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
-  valid = cv & (cnt > 0)
-  xmask = hv[:, None] & valid[None, :]
-  x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=xmask,
-                 other=cm.MASK_VALUE)                                  # [rp, Bcs]
-  s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
-  thr = thr_ref[0]
-  if p.vote == "q":
-    head_bit = jnp.left_shift(i32(1), hr)                              # [rp]
-    bits = jnp.sum(jnp.where(xmask & (s > thr), head_bit[:, None], 0), axis=0)   # [Bcs]
-  else:
-    vsum = jnp.sum(s, axis=0) * (1.0 / p.g)                            # group mean
-    bits = jnp.where(valid & (vsum > thr), i32(1), i32(0))
-  plgpu.store(bits_ref.at[kv, pl.ds(c0, p.bcs)], bits)                 # 0 past C
-  tot = jnp.sum(jnp.where(bits != 0, cnt, 0))
-  plgpu.store(btot_ref.at[kv, pl.ds(b, 1)], jnp.full((1,), tot, i32))
-
-
-def _attn_kernel(qpos_ref,     # [1] int32
+def _attn_kernel(thr_ref,      # [1] f32
+                 qpos_ref,     # [1] int32
                  q_ref,        # [Hq, dp]
                  offs_ref,     # [Hkv * (C + 1)] int32
-                 bits_ref,     # [Hkv, Cx] int32 (kernel S)
-                 btot_ref,     # [Hkv, nB2] int32 (kernel S)
+                 x_ref,        # [Hkv, g, Cx] f32
+                 ms_ref,       # [Hkv, g, nSA] f32
+                 ls_ref,       # [Hkv, g, nSA] f32
                  k_ref,        # [Hkv * L, dp]
                  v_ref,        # [Hkv * L, dp]
-                 *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, o, m, l
-                 p: _Plan, scale):
+                 *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
+                 p: _Plan, scale, return_stats):
   refs = list(refs)
   if p.num_s:
     kn_ref, vn_ref, kvpos_ref = refs[:3]
     refs = refs[3:]
+  sel_ref = refs.pop(0) if return_stats else None
   o_ref, m_ref, l_ref = refs
   vote_q = p.vote == "q"
   kv = pl.program_id(0)
@@ -323,52 +288,70 @@ def _attn_kernel(qpos_ref,     # [1] int32
 
     carry = lax.fori_loop(i32(0), n_new_tiles, new_body, carry)
 
-  # --- fixed context: an equal share of this head's selected rows + exact part ------
-  # Virtual sequence of the head: block 0's selected clusters' rows (in cluster order),
-  # block 1's, ..., then the exact part rows [offsets[C], L) as block nb.
-  ci = prog - p.n_new
-  is_cl = ci >= 0
-  bi = jnp.arange(p.nb2, dtype=i32)
-  bt = plgpu.load(btot_ref.at[kv, pl.ds(0, p.nb2)], mask=(bi < p.nb) & is_cl, other=0)
-  bend = jnp.cumsum(bt)                                                # inclusive
-  bstart = bend - bt
-  t_cl = jnp.sum(bt)
+  # --- fixed context: exact-part programs and cluster programs ----------------------
+  ex_i = prog - p.n_new
+  cl_i = prog - p.n_new - p.n_ex
+  is_ex = (ex_i >= 0) & (ex_i < p.n_ex)
+  is_cl = cl_i >= 0
   off_c = jnp.clip(offs_ref[kv * (p.num_c + 1) + p.num_c], 0, p.num_l)
-  ex_n = p.num_l - off_c
-  total = t_cl + ex_n
-  chunk = cm.kcdiv(cm.kcdiv(total, p.n_cl), p.block_k) * p.block_k      # whole tiles
-  lo_p = jnp.minimum(ci * chunk, total)
-  hi_p = jnp.minimum(lo_p + chunk, total)
-  live_b = bi < p.nb
-  b_first = jnp.sum(jnp.where(live_b & (bend <= lo_p), i32(1), i32(0)))
-  b_end = jnp.sum(jnp.where(live_b & (bstart < hi_p), i32(1), i32(0)))
-  n_blk = jnp.where(is_cl & (lo_p < hi_p),
-                    b_end - b_first + jnp.where(hi_p > t_cl, i32(1), i32(0)), i32(0))
-  all_bits = (1 << p.g) - 1 if vote_q else 1
-  slot = jnp.arange(p.bcs, dtype=i32)
-  first = slot == 0
+  ex_total = p.num_l - off_c
+  ex_chunk = cm.kcdiv(ex_total, p.n_ex)
+  ex_lo = off_c + ex_i * ex_chunk
+  ex_n = jnp.clip(jnp.minimum(ex_total - ex_i * ex_chunk, ex_chunk), 0, p.num_l)
 
-  def blk_body(ib, carry):
-    b = b_first + ib
-    is_ex = b >= b_end                                                 # the exact part
-    bs = jnp.where(is_ex, t_cl, jnp.sum(jnp.where(bi == b, bstart, 0)))
-    bb = jnp.minimum(b, p.nb - 1)
-    c = bb * p.bcs + slot
-    cv = ~is_ex & (c < p.num_c)
+  # Global softmax statistics of this group's heads (cluster programs only).
+  cols = jnp.arange(p.n_sa, dtype=i32)
+  smask = hv[:, None] & (cols < p.n_sv)[None, :] & is_cl
+  ms = plgpu.load(ms_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask,
+                  other=cm.MASK_VALUE)                                 # [rp, nSA]
+  ls = plgpu.load(ls_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask, other=0.0)
+  big_m = jnp.max(ms, axis=1)                                          # [rp]
+  den = jnp.sum(jnp.where(smask, ls * jnp.exp(ms - big_m[:, None]), 0.0), axis=1)
+  inv_den = jnp.where(hv & (den > 0), 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+  thr = thr_ref[0]
+  all_bits = (1 << p.g) - 1 if vote_q else 1
+  head_bit = jnp.left_shift(i32(1), hr)                                # [rp]
+  slot = jnp.arange(p.bcs, dtype=i32)
+  n_sub = p.bc // p.bcs
+  n_sub_loop = jnp.where(is_cl, i32(n_sub), jnp.where(is_ex, i32(1), i32(0))).astype(i32)
+
+  def sub_body(sb, carry):
+    c0 = cl_i * p.bc + sb * p.bcs
+    c = c0 + slot
+    cv = is_cl & (c < p.num_c)
     lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
-    bits = plgpu.load(bits_ref.at[kv, pl.ds(bb * p.bcs, p.bcs)], mask=cv, other=0)
-    start = jnp.where(is_ex, jnp.where(first, off_c, 0), lo)
-    size = jnp.where(is_ex, jnp.where(first, ex_n, 0), jnp.where(bits != 0, cnt, 0))
+    valid = cv & (cnt > 0)
+    xmask = hv[:, None] & valid[None, :]
+    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=xmask,
+                   other=cm.MASK_VALUE)                                # [rp, Bcs]
+    s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
+    if vote_q:
+      selh = xmask & (s > thr)                                         # [rp, Bcs]
+      bits = jnp.sum(jnp.where(selh, head_bit[:, None], 0), axis=0)   # [Bcs]
+      sel = bits != 0
+    else:
+      vsum = jnp.sum(s, axis=0) * (1.0 / p.g)                          # group mean
+      sel = valid & (vsum > thr)
+      bits = jnp.where(sel, i32(1), i32(0))
+    if return_stats:
+      if vote_q:
+        plgpu.store(sel_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], selh.astype(i32),
+                    mask=hv[:, None] & cv[None, :])
+      else:
+        plgpu.store(sel_ref.at[kv, pl.ds(c0, p.bcs)], sel.astype(i32), mask=cv)
+    # The exact-part program uses slot 0 for its chunk (always selected, every head).
+    first = slot == 0
+    start = jnp.where(is_ex, jnp.where(first, ex_lo, 0), lo)
+    size = jnp.where(is_ex, jnp.where(first, ex_n, 0), jnp.where(sel, cnt, 0))
     bits = jnp.where(is_ex, jnp.where(first, i32(all_bits), 0), bits)
     vend = jnp.cumsum(size)                                            # inclusive
     vstart = vend - size
+    total = jnp.sum(size)
     delta = start - vstart                                             # row = j + delta
-    r_lo = jnp.maximum(lo_p - bs, 0)                                   # this program's part
-    r_hi = jnp.minimum(hi_p - bs, jnp.sum(size))                       # of the block
 
     def tile_body(t, carry):
-      j = r_lo + t * p.block_k + jj                                    # virtual rows
-      jv = j < r_hi
+      j = t * p.block_k + jj                                           # virtual rows
+      jv = j < total
       if vote_q:
         inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
         row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
@@ -387,10 +370,10 @@ def _attn_kernel(qpos_ref,     # [1] int32
       vt = cm.gather_rows(v_ref, rows, p.dp, jv)
       return core._online_update(carry, q, kt, vt, mask, scale)
 
-    n_tiles = cm.kcdiv(jnp.maximum(r_hi - r_lo, 0), p.block_k).astype(i32)
+    n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
     return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
-  carry = lax.fori_loop(i32(0), n_blk, blk_body, carry)
+  carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
   o, m, l = carry
   plgpu.store(o_ref.at[kv, prog, pl.ds(0, p.rp), :], o, mask=hv[:, None])
   plgpu.store(m_ref.at[kv, prog, pl.ds(0, p.rp)], m, mask=hv)
@@ -441,46 +424,34 @@ def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: Cluste
 
 
 def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
-                 kv_pos_new, *, scale, cfg: ClusteredConfig, backend):
-  """Kernels S and B.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials,
-  bits [Hkv, Cx] int32: the heads that selected each cluster, as kernel S wrote them)."""
+                 kv_pos_new, *, scale, return_stats, cfg: ClusteredConfig, backend):
+  """Kernel B.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials,
+  sel (int32 [Hkv, Cx] or [Hkv, g, Cx] for vote "q") | None)."""
   hkv, num_l, _ = k.shape
   num_s = k_new.shape[1]
   dp = p.dp
-  bits, btot = pallas_call(
-      functools.partial(_select_kernel, p=p), backend=backend, num_warps=4, num_stages=1,
-      grid=(hkv, p.nb),
-      out_shape=[jax.ShapeDtypeStruct((hkv, p.cx), jnp.int32),
-                 jax.ShapeDtypeStruct((hkv, p.nb2), jnp.int32)],
-      name="clustered_select",
-  )(jnp.reshape(threshold, (1,)).astype(jnp.float32), offs, x, ms, ls)
-  args = [q_pos.astype(jnp.int32), qf, offs, bits, btot,
+  args = [jnp.reshape(threshold, (1,)).astype(jnp.float32), q_pos.astype(jnp.int32), qf, offs,
+          x, ms, ls,
           cm.pad_axis(k, 2, dp).reshape(hkv * num_l, dp),
           cm.pad_axis(v, 2, dp).reshape(hkv * num_l, dp)]
   if num_s:
     args += [cm.pad_axis(k_new, 2, dp).reshape(hkv * num_s, dp),
              cm.pad_axis(v_new, 2, dp).reshape(hkv * num_s, dp),
              kv_pos_new.astype(jnp.int32)]
-  o, m, l = pallas_call(
-      functools.partial(_attn_kernel, p=p, scale=scale),
+  out_shape = []
+  if return_stats:
+    sel_shape = (hkv, p.g, p.cx) if p.vote == "q" else (hkv, p.cx)
+    out_shape.append(jax.ShapeDtypeStruct(sel_shape, jnp.int32))
+  out_shape += [jax.ShapeDtypeStruct((hkv, p.n_prog, p.g, dp), jnp.float32),
+                jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32),
+                jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32)]
+  outs = pallas_call(
+      functools.partial(_attn_kernel, p=p, scale=scale, return_stats=return_stats),
       backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(hkv, p.n_prog),
-      out_shape=[jax.ShapeDtypeStruct((hkv, p.n_prog, p.g, dp), jnp.float32),
-                 jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32),
-                 jax.ShapeDtypeStruct((hkv, p.n_prog, p.g), jnp.float32)],
-      name="clustered_attention",
+      grid=(hkv, p.n_prog), out_shape=out_shape, name="clustered_attention",
   )(*args)
-  return o, m, l, bits
-
-
-def _selection_of_bits(bits, p: _Plan):
-  """Kernel S's head bits [Hkv, Cx] -> selected [Hs, C] bool (vote "q": bit i of a cluster's
-  word = query head i of its group)."""
-  bits = bits[:, :p.num_c]
-  if p.vote == "q":
-    h = jnp.arange(p.g, dtype=jnp.int32)[None, :, None]
-    return ((jnp.right_shift(bits[:, None, :], h) & 1) != 0).reshape(p.hq, p.num_c)
-  return bits != 0
+  o, m, l = outs[-3:]
+  return o, m, l, (outs[0] if return_stats else None)
 
 
 def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
@@ -498,13 +469,14 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
       big_m, den = reduce_stats(big_m, den)
     ms, ls = _head_stats_as_blocks(big_m, den, 16)
     p = dataclasses.replace(p, n_sa=16, n_sv=1)
-  o, m, l, bits = _attend_call(p, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
-                               kv_pos_new, scale=scale, cfg=cfg, backend=backend)
+  o, m, l, sel = _attend_call(p, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
+                              kv_pos_new, scale=scale, return_stats=return_stats, cfg=cfg,
+                              backend=backend)
   out, lse = _merge_pallas(o, m, l, d=d, out_dtype=out_dtype, backend=backend)
   out, lse = out.reshape(hq, d), lse.reshape(hq)
   if not return_stats:
     return out, lse, None, None
-  sel = _selection_of_bits(bits, p)
+  sel = (sel.reshape(hq, p.cx) if vote == "q" else sel)[:, :num_c] != 0
   return out, lse, sel, _rows_of_selection(sel, offsets, num_l)
 
 
@@ -526,7 +498,7 @@ def _decode_selected_pallas(q, k, v, offsets, selected, k_new, v_new, q_pos, kv_
   ms, ls = _head_stats_as_blocks(jnp.zeros((hkv, p.g), jnp.float32), jnp.ones((hkv, p.g), jnp.float32), 16)
   o, m, l, _ = _attend_call(p, cm.pad_axis(q, 1, p.dp), offsets.reshape(-1), x, ms, ls, k, v,
                             jnp.float32(0.5), k_new, v_new, q_pos, kv_pos_new, scale=scale,
-                            cfg=cfg, backend=backend)
+                            return_stats=False, cfg=cfg, backend=backend)
   out, lse = _merge_pallas(o, m, l, d=d, out_dtype=out_dtype, backend=backend)
   return out.reshape(hq, d), lse.reshape(hq)
 

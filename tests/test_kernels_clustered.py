@@ -21,11 +21,10 @@ from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_la
                                                 clustered_prefill_attention_reference)
 
 BF = jnp.bfloat16
-# Small tiles so the test shapes exercise several scoring and selection blocks, tiles per
-# cluster (clusters bigger than block_k), programs whose share of the selected rows spans
-# several selection blocks and the exact part, and new-part chunks.
-SMALL = ClusteredConfig(block_c=16, sub_clusters=16, block_k=16, chunk_new=16,
-                        target_programs=6)
+# Small tiles so the test shapes exercise several programs, sub-blocks, tiles per
+# cluster (clusters bigger than block_k), new-part chunks and exact-part programs.
+SMALL = ClusteredConfig(block_c=16, block_clusters=32, sub_clusters=16, block_k=16,
+                        chunk_new=16, exact_programs=2)
 
 
 # ----------------------------------------------------------------------------
@@ -459,9 +458,9 @@ def test_random_shapes(rng):
   n_cl = int(rng.integers(num_c, 300))
   d = int(rng.choice([16, 24, 32]))
   vote = str(rng.choice(["kv", "q"]))
-  cfg = ClusteredConfig(block_c=int(rng.choice([16, 32])), sub_clusters=int(rng.choice([16, 32])),
-                        block_k=int(rng.choice([16, 32])),
-                        target_programs=int(rng.integers(1, 40)))
+  cfg = ClusteredConfig(block_c=int(rng.choice([16, 32])), sub_clusters=16,
+                        block_clusters=int(rng.choice([16, 32, 48])),
+                        block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)))
   print(dict(hkv=hkv, g=g, num_c=num_c, n_cl=n_cl, d=d, vote=vote, cfg=cfg))
   x, meta = make_case(rng, hq=hkv * g, hkv=hkv, num_c=num_c, n_sink=int(rng.integers(0, 5)),
                       n_clustered=n_cl, n_tail=int(rng.integers(0, 20)), d=d,
@@ -585,12 +584,12 @@ def test_validation_errors(rng):
     call(None, None, scale=None)
   with pytest.raises(ValueError, match="capacity"):
     call(0, a[0][:, None], fn=clustered_prefill_attention, capacity=0)
-  with pytest.raises(ValueError, match="sub_clusters"):
-    ClusteredConfig(sub_clusters=24)
+  with pytest.raises(ValueError, match="block_clusters"):
+    ClusteredConfig(block_clusters=24, sub_clusters=16)
   with pytest.raises(ValueError, match="block_k"):
     ClusteredConfig(block_k=24)
-  with pytest.raises(ValueError, match="target_programs"):
-    ClusteredConfig(target_programs=0)
+  with pytest.raises(ValueError, match="exact_programs"):
+    ClusteredConfig(exact_programs=0)
 
 
 # ----------------------------------------------------------------------------
@@ -643,7 +642,7 @@ def test_decode_lowers(fake_h100, vote, return_stats, dtype, num_l, num_c, num_s
          sds((HKV, num_c, D), dtype), sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32),
          sds((HKV, num_s, D), dtype), sds((HKV, num_s, D), dtype), sds((1,), jnp.int32),
          sds((num_s,), jnp.int32))
-  assert len(fake_h100) == 4                       # scoring + selection + attention + merge
+  assert len(fake_h100) == 3                       # scoring + attention + merge kernels
 
 
 def test_decode_selected_lowers(fake_h100):
@@ -652,13 +651,13 @@ def test_decode_selected_lowers(fake_h100):
          sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c + 1), jnp.int32),
          sds((HKV, num_c), bool), sds((HKV, num_s, D)), sds((HKV, num_s, D)), sds((1,), jnp.int32),
          sds((num_s,), jnp.int32))
-  assert len(fake_h100) == 3                       # selection + attention + merge
+  assert len(fake_h100) == 2                       # the attention kernel + the merge
 
 
 @pytest.mark.parametrize("cfg", [
-    ClusteredConfig(sub_clusters=256, target_programs=768),
-    ClusteredConfig(sub_clusters=64, block_k=32, num_stages=3),
-    ClusteredConfig(sub_clusters=128, num_warps=8, target_programs=3072),
+    ClusteredConfig(block_clusters=256, sub_clusters=256),
+    ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
+    ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
