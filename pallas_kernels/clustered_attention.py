@@ -92,10 +92,6 @@ class ClusteredConfig:
   block_k: K/V rows per tile (power of two >= 16).
   chunk_new: user-input keys per program (multiple of block_k) or None (auto).
   exact_programs: programs per KV head for the exact part (>= 1).
-  compact_slots: the selected clusters of a sub-block are moved into this many slots
-    before its rows are streamed (the per-tile row -> cluster search then compares
-    ``block_k x compact_slots`` instead of ``block_k x sub_clusters`` pairs; more
-    selected clusters take more passes); None = no compaction.
   reduce_stats_first: reduce the scoring kernel's per-block (m, l) to one (M, D)
     per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
@@ -112,12 +108,8 @@ class ClusteredConfig:
   score_warps: int = 4
   target_programs: int = 1536
   reduce_stats_first: bool = False
-  compact_slots: int | None = 32
 
   def __post_init__(self):
-    if self.compact_slots is not None and (not isinstance(self.compact_slots, int)
-                                           or not cm.is_pow2(self.compact_slots)):
-      raise ValueError(f"compact_slots must be None or a power of two, got {self.compact_slots!r}")
     cm.check_pow2("block_c", self.block_c)
     cm.check_pow2("sub_clusters", self.sub_clusters)
     cm.check_pow2("block_k", self.block_k)
@@ -156,7 +148,6 @@ class _Plan:
   n_sv: int        # ... of which valid: n_a (block stats) or 1 (one (M, D) per head)
   bc: int          # clusters per kernel-B program
   bcs: int         # sub-block
-  ksel: int        # slots the selected clusters of a sub-block are compacted into (bcs: none)
   n_cb: int        # cluster programs per KV head
   cx: int          # columns of the logits buffer
   block_k: int
@@ -197,8 +188,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     chunk_new, n_new = bk, 0
   return _Plan(hq=hq, hkv=hkv, g=g, rp=rp, num_l=num_l, num_c=num_c, num_s=num_s,
                dp=cm.padded_head_dim(d), block_c=block_c, n_a=n_a,
-               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs,
-               ksel=min(cfg.compact_slots or bcs, bcs), n_cb=n_cb, cx=cx,
+               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
                vote=vote)
 
@@ -325,38 +315,6 @@ def _attn_kernel(thr_ref,      # [1] f32
   n_sub = p.bc // p.bcs
   n_sub_loop = jnp.where(is_cl, i32(n_sub), jnp.where(is_ex, i32(1), i32(0))).astype(i32)
 
-  def _stream_ranges(carry, start, size, bits):
-    """Online attention over the concatenated row ranges [start_i, start_i + size_i) (in
-    increasing, non-overlapping order; empty ranges anywhere), tiles of Bk rows."""
-    vend = jnp.cumsum(size)                                            # inclusive
-    vstart = vend - size
-    total = jnp.sum(size)
-    delta = start - vstart                                             # row = j + delta
-
-    def tile_body(t, carry):
-      j = t * p.block_k + jj                                           # virtual rows
-      jv = j < total
-      if vote_q:
-        inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
-        row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
-        rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
-        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
-      else:
-        # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
-        # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
-        # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
-        row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
-                                    jnp.iinfo(jnp.int32).min), axis=1)
-        mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
-      # in bounds whatever the offsets hold (well-formed offsets never need the clip)
-      rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
-      kt = cm.gather_rows(k_ref, rows, p.dp, jv)                       # [Bk, dp]
-      vt = cm.gather_rows(v_ref, rows, p.dp, jv)
-      return core._online_update(carry, q, kt, vt, mask, scale)
-
-    n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
-    return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
-
   def sub_body(sb, carry):
     c0 = cl_i * p.bc + sb * p.bcs
     c = c0 + slot
@@ -386,22 +344,34 @@ def _attn_kernel(thr_ref,      # [1] f32
     start = jnp.where(is_ex, jnp.where(first, ex_lo, 0), lo)
     size = jnp.where(is_ex, jnp.where(first, ex_n, 0), jnp.where(sel, cnt, 0))
     bits = jnp.where(is_ex, jnp.where(first, i32(all_bits), 0), bits)
-    if p.ksel == p.bcs:                                                # no compaction
-      return _stream_ranges(carry, start, size, bits)
-    # The per-tile row -> cluster search costs Bk x (slots) compares; a query selects a
-    # few of the Bcs clusters, so move the non-empty ranges (in cluster order) into ksel
-    # slots first -- in passes of ksel if more are live.
-    live = size > 0
-    rank = jnp.cumsum(live.astype(i32)) - 1                            # among the live ones
-    kk = jnp.arange(p.ksel, dtype=i32)
+    vend = jnp.cumsum(size)                                            # inclusive
+    vstart = vend - size
+    total = jnp.sum(size)
+    delta = start - vstart                                             # row = j + delta
 
-    def pass_body(ps, carry):
-      hit = live[None, :] & (rank[None, :] == (ps * p.ksel + kk)[:, None])   # [Ks, Bcs]
-      pick = lambda x: jnp.sum(jnp.where(hit, x[None, :], 0), axis=1)  # noqa: E731 - [Ks]
-      return _stream_ranges(carry, pick(start), pick(size), pick(bits) if vote_q else None)
+    def tile_body(t, carry):
+      j = t * p.block_k + jj                                           # virtual rows
+      jv = j < total
+      if vote_q:
+        inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
+        row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
+        rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
+        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
+      else:
+        # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
+        # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
+        # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
+        row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
+                                    jnp.iinfo(jnp.int32).min), axis=1)
+        mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
+      # in bounds whatever the offsets hold (well-formed offsets never need the clip)
+      rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
+      kt = cm.gather_rows(k_ref, rows, p.dp, jv)                       # [Bk, dp]
+      vt = cm.gather_rows(v_ref, rows, p.dp, jv)
+      return core._online_update(carry, q, kt, vt, mask, scale)
 
-    n_pass = cm.kcdiv(jnp.sum(live.astype(i32)), p.ksel).astype(i32)
-    return lax.fori_loop(i32(0), n_pass, pass_body, carry)
+    n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
+    return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
   carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
   o, m, l = carry

@@ -22,10 +22,9 @@ from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_la
 
 BF = jnp.bfloat16
 # Small tiles so the test shapes exercise several programs, sub-blocks, tiles per
-# cluster (clusters bigger than block_k), new-part chunks, exact-part programs and
-# sub-blocks whose selected clusters take several compaction passes (4 slots).
+# cluster (clusters bigger than block_k), new-part chunks and exact-part programs.
 SMALL = ClusteredConfig(block_c=16, block_clusters=32, sub_clusters=16, block_k=16,
-                        chunk_new=16, exact_programs=2, compact_slots=4)
+                        chunk_new=16, exact_programs=2)
 
 
 # ----------------------------------------------------------------------------
@@ -461,8 +460,7 @@ def test_random_shapes(rng):
   vote = str(rng.choice(["kv", "q"]))
   cfg = ClusteredConfig(block_c=int(rng.choice([16, 32])), sub_clusters=16,
                         block_clusters=int(rng.choice([16, 32, 48])),
-                        block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)),
-                        compact_slots=[None, 1, 4, 16][int(rng.integers(4))])
+                        block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)))
   print(dict(hkv=hkv, g=g, num_c=num_c, n_cl=n_cl, d=d, vote=vote, cfg=cfg))
   x, meta = make_case(rng, hq=hkv * g, hkv=hkv, num_c=num_c, n_sink=int(rng.integers(0, 5)),
                       n_clustered=n_cl, n_tail=int(rng.integers(0, 20)), d=d,
@@ -592,8 +590,6 @@ def test_validation_errors(rng):
     ClusteredConfig(block_k=24)
   with pytest.raises(ValueError, match="exact_programs"):
     ClusteredConfig(exact_programs=0)
-  with pytest.raises(ValueError, match="compact_slots"):
-    ClusteredConfig(compact_slots=24)
 
 
 # ----------------------------------------------------------------------------
@@ -662,8 +658,6 @@ def test_decode_selected_lowers(fake_h100):
     ClusteredConfig(block_clusters=256, sub_clusters=256),
     ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
     ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
-    ClusteredConfig(compact_slots=None),
-    ClusteredConfig(compact_slots=16, block_k=32),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
