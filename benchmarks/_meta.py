@@ -68,6 +68,35 @@ def time_ms(fn: Callable, sets: list[tuple], *, reps: int = 20, inner: int = 5) 
     return statistics.median(samples) * 1e3
 
 
+def time_ms_steady(fn: Callable, sets: list[tuple], *, n: int = 4, reps: int = 5) -> float:
+    """Steady-state time (ms) per call of back-to-back calls cycling over input sets:
+    (T(2n) - T(n)) / n, with T(m) the time of m calls ending in one ``block_until_ready``.
+
+    ``time_ms`` charges the first call's host dispatch (before the device has anything to do)
+    and the final sync to its ``inner`` calls; the difference cancels those fixed costs, leaving
+    what each additional call adds. Median over `reps` after a warm-up call per set."""
+    for s in sets:
+        jax.block_until_ready(fn(*s))
+    k = 0
+
+    def run(m: int) -> float:
+        nonlocal k
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(m):
+            out = fn(*sets[k % len(sets)])
+            k += 1
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    samples = []
+    for _ in range(reps):
+        t_n = run(n)
+        t_2n = run(2 * n)
+        samples.append((t_2n - t_n) / n)
+    return statistics.median(samples) * 1e3
+
+
 def dispatch_ms(fn: Callable, sets: list[tuple], *, reps: int = 10) -> float:
     """Host time (ms) until a call returns, the device idle and its inputs ready: what the host
     spends issuing the call (argument handling and launching every kernel of the program), not

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._meta import dispatch_ms, metadata, time_ms, time_ms_looped, time_ms_unrolled, write_json
+from benchmarks._meta import (dispatch_ms, metadata, time_ms, time_ms_looped, time_ms_steady, time_ms_unrolled,
+                              write_json)
 from benchmarks._profile import device_activity, kernel_time_per_call
 
 BF16 = jnp.bfloat16
@@ -258,7 +259,7 @@ _PATHS = {"quest": "Pallas page scores + top-K pages + page-sparse decode kernel
 
 
 def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=None, best_dense_loop=None,
-                best_dense_unrolled=None, best_dense_kernels=None) -> dict:
+                best_dense_unrolled=None, best_dense_kernels=None, best_dense_steady=None) -> dict:
     """Time one method (Squeezed, QUEST, SAAP alike) into `row`: lookup ms; total ms of its own
     Pallas decode path where it has one (the library path then goes to generic_total_ms), else of
     the library path; kept fraction and bytes (K+V rows + metadata rows) its selection reads."""
@@ -317,8 +318,12 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
                 if best_dense_kernels:  # device time against device time: no host dispatch on either side
                     row["speedup_vs_best_dense_span"] = best_dense_kernels / tr["span_ms_per_call"]
                 row["prefill_kernels"] = tr["kernels"]
-            row["dispatch_ms"] = dispatch_ms(kern if kernel else lib, [((kidx, layout) if kernel else (index,)) + s
-                                                                       for s in sets])
+            psets = [((kidx, layout) if kernel else (index,)) + s for s in sets]
+            row["dispatch_ms"] = dispatch_ms(kern if kernel else lib, psets)
+            # per call without the first call's dispatch and the final sync (dense timed the same way)
+            row["total_steady_ms"] = time_ms_steady(kern if kernel else lib, psets)
+            if best_dense_steady:
+                row["speedup_vs_best_dense_steady"] = best_dense_steady / row["total_steady_ms"]
         fused_name = ("hierarchical lookup kernels + clustered attention kernel" if method.name == "hsqueezed"
                       else "fused clustered decode kernel")
         row["path"] = _PATHS.get(method.name) or (fused_name if kernel else "lookup + retrieve + "
@@ -359,7 +364,7 @@ def _saap_probes(method, index, qs, length: int, frac: float) -> int:
     return int(np.argmin(np.abs((cum + dense) / length - frac))) + 1
 
 
-_DENSE_MODES = {"call": "", "loop": " loop", "unrolled": " unrolled", "kernels": " kernels"}
+_DENSE_MODES = {"call": "", "loop": " loop", "unrolled": " unrolled", "kernels": " kernels", "steady": " steady"}
 
 
 def _loop_iters(plan: Plan, t: int) -> int:
@@ -400,6 +405,8 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
                     times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
                 elif mode == "loop":
                     times[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=_loop_iters(plan, t), reps=plan.reps)
+                elif mode == "steady":
+                    times[name] = time_ms_steady(fn, [(qq, *fixed) for qq in queries])
                 else:
                     times[name] = time_ms(fn, [(qq, *fixed) for qq in queries], reps=plan.reps)
             except Exception as e:  # noqa: BLE001
@@ -460,13 +467,14 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
         qs = [src.queries(t, seed=100 * t + j, n_heads=hq) for j in range(3)]
         ctx = (k, v, kn, vn, (length + n_new - t + jnp.arange(t)).astype(jnp.int32), kv_pos)
         dense = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}",
-                             ("call", "loop", "unrolled", "kernels") if t == 1 else ("call", "loop", "kernels"))
+                             ("call", "loop", "unrolled", "kernels") if t == 1 else ("call", "loop", "kernels", "steady"))
         dense_ms, dense_loop, dense_unr, dense_kern = (dense.get(m, {}) for m in ("call", "loop", "unrolled", "kernels"))
+        best_steady = min(dense.get("steady", {}).values(), default=None)
         best, best_loop, best_unr, best_kern = (min(x.values(), default=None)
                                                 for x in (dense_ms, dense_loop, dense_unr, dense_kern))
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
                 "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr,
-                "dense_kernel_busy_ms": dense_kern}
+                "dense_kernel_busy_ms": dense_kern, "dense_steady_ms": dense.get("steady", {})}
         for sp in sps:
             frac = None
             for name in ("squeezed", "hsqueezed"):
@@ -476,7 +484,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                     r = _method_row({**base, "method": name, "sparsity": sp, "hierarchical": name == "hsqueezed",
                                      "budget": f"sparsity {sp}, {2 if name == 'hsqueezed' else 1}-level",
                                      "C": int(idx[sp].layers.centroids.shape[2])},
-                                    plan, log, m, idx[sp], qs, ctx, fused, best, best_loop, best_unr, best_kern)
+                                    plan, log, m, idx[sp], qs, ctx, fused, best, best_loop, best_unr, best_kern,
+                                    best_steady)
                     rows.append(r)
                     frac = frac or r.get("retrieved_frac")
             if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
@@ -868,15 +877,20 @@ def to_markdown(res: dict) -> str:
         p = res.get("plan", {})
         md += ["## Prefill, device time per call (same run, same inputs, dense timed the same ways)", "",
                f"Loop = {p.get('prefill_loop_iters', 4)} calls in one jitted `fori_loop`, as a model's prefill runs "
-               "its layers in one program; per call = back-to-back jitted calls, each synced every 5 calls.", "",
+               "its layers in one program; per call = back-to-back jitted calls, each synced every 5 calls; "
+               "steady = (T(8 calls) - T(4 calls)) / 4, T ending in one sync: what each further call adds, "
+               "without the first call's host dispatch and the final sync.", "",
                "| Hq/Hkv | L | phase | method | level / budget | kept | loop ms | cuDNN loop | speedup (loop) | "
-               "per-call wall ms | cuDNN per call | speedup (per call) |", "|---" * 12 + "|"]
+               "per-call wall ms | cuDNN per call | speedup (per call) | steady per call ms | cuDNN steady | "
+               "speedup (steady) |", "|---" * 15 + "|"]
         for r in pre_loop:
             md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['phase']} | {r['method']} | {r['budget']} | "
                       f"{_f(r.get('retrieved_frac'))} | {_f(r['total_loop_ms'])} | "
                       f"{_f(r.get('dense_loop_ms', {}).get('cudnn'))} | {_f(r.get('speedup_vs_best_dense_loop'), 2, '×')} | "
                       f"{_f(r.get('total_ms'))} | {_f(r.get('dense_ms', {}).get('cudnn'))} | "
-                      f"{_f(r.get('speedup_vs_best_dense'), 2, '×')} |")
+                      f"{_f(r.get('speedup_vs_best_dense'), 2, '×')} | {_f(r.get('total_steady_ms'))} | "
+                      f"{_f(r.get('dense_steady_ms', {}).get('cudnn'))} | "
+                      f"{_f(r.get('speedup_vs_best_dense_steady'), 2, '×')} |")
         md.append("")
     pre = [r for r in rows if "prefill_busy_ms" in r]
     if pre:

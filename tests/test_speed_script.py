@@ -42,6 +42,23 @@ def test_speed_decode_rows_cpu_smoke(tmp_path):
                dense_kernel_busy_ms={"cudnn": 0.15, "pallas": 0.16})
     md = to_markdown(res)
     assert "kernel time per call" in md and "| 3.00× |" in md and "`clustered_attention` 0.0300" in md
+    # the prefill device-time table carries the steady-state column (GPU runs fill it)
+    res["kernels"].append({**row, "phase": "prefill_1k", "total_steady_ms": 2.0, "dense_steady_ms": {"cudnn": 9.0},
+                           "speedup_vs_best_dense_steady": 4.5})
+    assert "| 2.000 | 9.000 | 4.50× |" in to_markdown(res)
+
+
+def test_time_ms_steady_is_the_cost_of_one_more_call():
+    """(T(2n) - T(n)) / n: a call that costs ~3 ms comes out at ~3 ms."""
+    import time
+
+    import jax.numpy as jnp
+
+    from benchmarks._meta import time_ms_steady
+
+    x = jnp.ones(3)
+    ms = time_ms_steady(lambda a: (time.sleep(0.003), a)[1], [(x,)], n=4, reps=3)
+    assert 2.5 < ms < 6.0, ms
 
 
 def test_speed_end_to_end_cpu_smoke(tmp_path):
