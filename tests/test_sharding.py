@@ -92,7 +92,8 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
         "e2e/clustered", "e2e/generic", "e2e/clustered/heads", "e2e/generic/heads"]
     assert not dec["errors"] and not any(c["errors"] for c in e2e), (dec["errors"], [c["errors"] for c in e2e])
     for name in ("1gpu_lib", "1gpu_clustered", "1gpu_mesh/clustered", "1gpu_mesh/score", "1gpu_mesh/index",
-                 "2gpu/clustered", "2gpu_heads/clustered", "2gpu/score", "2gpu/index"):
+                 "2gpu/clustered", "2gpu_heads/clustered", "2gpu_heads/clustered_half_programs", "2gpu/score",
+                 "2gpu/index"):
         assert dec[f"{name}_ms"] > 0
         assert name == "1gpu_lib" or dec[f"{name}_rel_err"] < 1e-2, name
     assert dec["same_answers"] and dec["ratio"] > 0 and dec["2gpu/score_count_diff"] == 0
