@@ -49,6 +49,18 @@ def metadata() -> dict:
     }
 
 
+def _timed_calls(fn: Callable, sets: list[tuple], m: int, k: int) -> tuple[float, int]:
+    """Seconds for `m` back-to-back calls cycling over `sets` from set `k`, ending in one
+    ``block_until_ready``; -> (seconds, the next set index)."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(m):
+        out = fn(*sets[k % len(sets)])
+        k += 1
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0, k
+
+
 def time_ms(fn: Callable, sets: list[tuple], *, reps: int = 20, inner: int = 5) -> float:
     """Median over `reps` of the mean time (ms) of `inner` back-to-back calls cycling over input sets.
 
@@ -58,13 +70,8 @@ def time_ms(fn: Callable, sets: list[tuple], *, reps: int = 20, inner: int = 5) 
         jax.block_until_ready(fn(*s))
     samples, k = [], 0
     for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn(*sets[k % len(sets)])
-            k += 1
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / inner)
+        sec, k = _timed_calls(fn, sets, inner, k)
+        samples.append(sec / inner)
     return statistics.median(samples) * 1e3
 
 
@@ -77,22 +84,10 @@ def time_ms_steady(fn: Callable, sets: list[tuple], *, n: int = 4, reps: int = 5
     what each additional call adds. Median over `reps` after a warm-up call per set."""
     for s in sets:
         jax.block_until_ready(fn(*s))
-    k = 0
-
-    def run(m: int) -> float:
-        nonlocal k
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(m):
-            out = fn(*sets[k % len(sets)])
-            k += 1
-        jax.block_until_ready(out)
-        return time.perf_counter() - t0
-
-    samples = []
+    samples, k = [], 0
     for _ in range(reps):
-        t_n = run(n)
-        t_2n = run(2 * n)
+        t_n, k = _timed_calls(fn, sets, n, k)
+        t_2n, k = _timed_calls(fn, sets, 2 * n, k)
         samples.append((t_2n - t_n) / n)
     return statistics.median(samples) * 1e3
 

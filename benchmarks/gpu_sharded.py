@@ -344,7 +344,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
   # half the attention programs per GPU: with half the KV heads each, every program then covers
   # as many clusters as on 1 GPU (the default plan keeps the program count, so the per-program
   # fixed costs do not halve)
-  t768 = ClusteredConfig(target_programs=ClusteredConfig().target_programs // 2)
+  half_programs = ClusteredConfig(target_programs=ClusteredConfig().target_programs // 2)
 
   def sharded_clustered(mesh, parts="all", config=None):   # parts != "all": diagnostics (wrong answers on 2 GPUs)
     def f(q, kn, vn, cl, t, q_pos, kv_pos):
@@ -384,7 +384,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       ("2gpu/clustered", sharded_clustered(mesh2), big_c2, sets2),
       ("2gpu_heads/clustered", sharded_clustered(meshh), big_ch, setsh),
       ("2gpu_heads/clustered_rsf", sharded_clustered(meshh, config=rsf), big_ch, setsh),
-      ("2gpu_heads/clustered_half_programs", sharded_clustered(meshh, config=t768), big_ch, setsh),
+      ("2gpu_heads/clustered_half_programs", sharded_clustered(meshh, config=half_programs), big_ch, setsh),
       ("1gpu_clustered", one_gpu_clustered, (cl1.k_sorted, cl1.v_sorted, cl1.centroids, cl1.offsets, t1, q_pos1,
                                              kv_pos1), sets1),
       ("1gpu_clustered_rsf", functools.partial(one_gpu_clustered, config=rsf),
