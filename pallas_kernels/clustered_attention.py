@@ -97,14 +97,17 @@ class ClusteredConfig:
     block statistics itself).  Always done when statistics are combined across
     devices (``clustered_decode_partial(reduce_stats=...)``).
   """
-  block_c: int = 256
+  # block_c and num_stages: the fastest of 45 tilings timed by kernel time on an H200
+  # (benchmarks/results/gpu_h200_decode_stages): a third pipeline stage takes the attention
+  # kernel from 42 to 28 us at 128K; 128-centroid scoring blocks take scoring from 22 to 18 us at 512K.
+  block_c: int = 128
   block_clusters: int | None = None
   sub_clusters: int = 128  # best measured on H200 at 512K (benchmarks/results/gpu_h200_kernels)
   block_k: int = 64
   chunk_new: int | None = None
   exact_programs: int = 2
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 3
   score_warps: int = 4
   target_programs: int = 1536
   reduce_stats_first: bool = False
