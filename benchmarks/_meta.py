@@ -107,27 +107,42 @@ def dispatch_ms(fn: Callable, sets: list[tuple], *, reps: int = 10) -> float:
     return statistics.median(samples) * 1e3
 
 
-def time_ms_looped(fn: Callable, queries: list, *, fixed: tuple = (), n_iter: int = 30, reps: int = 7) -> float:
+def time_ms_looped(fn: Callable, queries: list, *, fixed: tuple = (), n_iter: int = 30, reps: int = 7,
+                   fold: str = "sum") -> float:
     """Device time (ms) per call: `n_iter` calls ``fn(q, *fixed)`` inside ONE jitted ``fori_loop``.
 
-    Each iteration takes the next query of `queries` (cycled) and folds the sum of fn's first
-    output into a carried scalar, so no call is dead code or loop-invariant. The host dispatches
-    one program per `n_iter` calls, as a model's decode step dispatches one program for all its
-    layers: what remains is the GPU's time, kernel launch gaps included. Pass every big array in
-    `fixed` (they become arguments of the program): arrays `fn` closes over would be captured as
-    constants at lowering (gigabytes, slow to compile). Median over `reps` after a warm-up call.
+    Each iteration takes the next query of `queries` (cycled) and folds fn's first output into a
+    carried value, so no call is dead code or loop-invariant. The host dispatches one program per
+    `n_iter` calls, as a model's decode step dispatches one program for all its layers: what
+    remains is the GPU's time, kernel launch gaps included. Pass every big array in `fixed` (they
+    become arguments of the program): arrays `fn` closes over would be captured as constants at
+    lowering (gigabytes, slow to compile). Median over `reps` after a warm-up call.
+
+    fold: ``"sum"`` adds the sum of the output to a carried scalar; ``"add"`` adds the output
+    itself to a carried array of its shape, which keeps the output's sharding: for an output
+    sharded over devices (a head-parallel attention) ``"sum"`` would all-reduce every call.
     """
-    qs = jax.numpy.stack(list(queries))
-    n = len(queries)
+    loop = looped_program(fn, len(queries), n_iter=n_iter, fold=fold)
+    return _median_ms_per_call(loop, (jax.numpy.stack(list(queries)), fixed), n_iter, reps)
+
+
+def looped_program(fn: Callable, n: int, *, n_iter: int, fold: str = "sum") -> Callable:
+    """The jitted ``loop(qs [n, ...], fixed)`` that `time_ms_looped` times."""
+    if fold not in ("sum", "add"):
+        raise ValueError(f"fold must be 'sum' or 'add', got {fold!r}")
+    f32 = jax.numpy.float32
 
     @jax.jit
     def loop(qs, fixed):
-        def body(i, acc):
-            out = jax.tree.leaves(fn(qs[i % n], *fixed))[0]
-            return acc + jax.numpy.sum(out.astype(jax.numpy.float32))
-        return jax.lax.fori_loop(0, n_iter, body, jax.numpy.zeros((), jax.numpy.float32))
+        def out(i):
+            return jax.tree.leaves(fn(qs[i % n], *fixed))[0].astype(f32)
 
-    return _median_ms_per_call(loop, (qs, fixed), n_iter, reps)
+        if fold == "sum":
+            return jax.lax.fori_loop(0, n_iter, lambda i, acc: acc + jax.numpy.sum(out(i)), jax.numpy.zeros((), f32))
+        init = jax.numpy.zeros(jax.eval_shape(out, 0).shape, f32)
+        return jax.lax.fori_loop(0, n_iter, lambda i, acc: acc + out(i), init)
+
+    return loop
 
 
 def _median_ms_per_call(prog: Callable, args: tuple, n_calls: int, reps: int) -> float:

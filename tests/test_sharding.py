@@ -63,6 +63,7 @@ def test_context_parallel_8_devices(rng):
 def test_head_parallel_8_devices(rng):
     checks = _run_case("heads8", int(rng.integers(1 << 30)))
     assert any(c["name"].startswith("single_device_index_head_parallel") for c in checks)
+    assert {"loop_fold_add_keeps_head_sharding", "loop_fold_add_value"} <= {c["name"] for c in checks}
 
 
 def test_2d_mesh_and_orbax_round_trip(rng, tmp_path):
@@ -104,8 +105,9 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
     assert r.stdout.rstrip().endswith(md.rstrip())   # the markdown table is printed last
     assert "constants were captured" not in r.stderr
     for name in ("2gpu/clustered", "2gpu_heads/clustered", "1gpu_clustered", "1gpu_lib"):
-        assert dec[f"{name}_loop_ms"] > 0
-    assert dec["ratio_loop"] > 0
+        assert dec[f"{name}_loop_ms"] > 0 and dec[f"{name}_loop_sum_ms"] > 0
+    assert dec["ratio_loop"] > 0 and dec["ratio_loop_sum"] > 0 and dec["ratio_loop_sum_heads"] > 0
+    assert "loop summing each output" in md
 
 
 def test_gpu_benchmark_without_gpu_is_a_clear_error(tmp_path, capsys):
@@ -449,6 +451,18 @@ def _main(case: str, seed: int) -> None:
         built = {"plain": (idx, single)}
         compare("single_device_index_head_parallel/decode", mesh, idx, single, ks, vs, 1, 1, "kv")
         compare("single_device_index_head_parallel/prefill", mesh, idx, single, ks, vs, 0, 4, "q")
+        # the benchmarks' device loop over a head-sharded output: "add" keeps it on its devices,
+        # "sum" all-reduces it every call (what the 2-GPU benchmark's loop did before)
+        from benchmarks._meta import looped_program
+
+        by_head = jax.sharding.NamedSharding(mesh, P(None, sh.HEADS, None))
+        per_head = jax.shard_map(lambda x: 2.0 * x, mesh=mesh, in_specs=P(sh.HEADS), out_specs=P(sh.HEADS))
+        qs = jax.device_put(jnp.ones((3, hq, d)), by_head)
+        hlo = {fold: looped_program(per_head, 3, n_iter=4, fold=fold).lower(qs, ()).compile().as_text()
+               for fold in ("add", "sum")}
+        add("loop_fold_add_keeps_head_sharding", "all-reduce" not in hlo["add"] and "all-reduce" in hlo["sum"])
+        got = looped_program(per_head, 3, n_iter=4, fold="add")(qs, ())
+        add("loop_fold_add_value", np.allclose(np.asarray(got), 8.0))
     elif case == "mesh2d":
         mesh = sh.make_mesh(4, 2)
         ks, vs = sh.shard_fixed_context(k, mesh), sh.shard_fixed_context(v, mesh)

@@ -61,6 +61,22 @@ def test_time_ms_steady_is_the_cost_of_one_more_call():
     assert 2.5 < ms < 6.0, ms
 
 
+def test_time_ms_looped_folds():
+    """Both folds time a real loop; an unknown fold is refused by name."""
+    import jax.numpy as jnp
+    import pytest
+
+    from benchmarks._meta import looped_program, time_ms_looped
+
+    qs = [jnp.full((2, 3), float(i)) for i in range(3)]
+    for fold in ("sum", "add"):
+        assert time_ms_looped(lambda q: q * 2.0, qs, n_iter=5, reps=2, fold=fold) > 0
+    # 5 calls over queries 0, 1, 2, 0, 1 -> each entry of the carried array is 2 * 4
+    assert float(looped_program(lambda q: q * 2.0, 3, n_iter=5, fold="add")(jnp.stack(qs), ())[0, 0]) == 8.0
+    with pytest.raises(ValueError, match="fold"):
+        looped_program(lambda q: q, 3, n_iter=5, fold="mean")
+
+
 def test_speed_end_to_end_cpu_smoke(tmp_path):
     """The end-to-end section: synced and pipelined decode of every variant, speed-ups, the table."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
