@@ -234,6 +234,7 @@ DECODE_CASES = [  # hq, hkv, vote, dtype, d
     (8, 2, "kv", jnp.float32, 32),
     (8, 2, "q", jnp.float32, 24),      # head dim padded to 32 inside the kernels
     (3, 3, "kv", jnp.float32, 32),     # 1:1
+    (6, 2, "q", jnp.float32, 32),      # a group of 3: selection rows padded to 4
     (8, 2, "q", BF, 32),
 ]
 
