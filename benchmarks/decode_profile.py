@@ -286,17 +286,17 @@ def sweep_configs(plan: Plan) -> list[ClusteredConfig]:
   """Default, one field off, two fields off, a few combinations (priority order)."""
   c = functools.partial(dataclasses.replace, DEFAULT)
   one = [c(reduce_stats_first=True), c(block_k=32), c(block_k=128), c(num_warps=8),
-         c(num_stages=1), c(num_stages=3), c(sub_clusters=64), c(sub_clusters=256),
-         c(target_programs=768), c(target_programs=3072), c(block_c=128), c(block_c=512),
+         c(num_stages=1), c(num_stages=2), c(num_stages=4), c(sub_clusters=64), c(sub_clusters=256),
+         c(target_programs=768), c(target_programs=3072), c(block_c=64), c(block_c=256), c(block_c=512),
          c(score_warps=8)]
-  two = [c(block_k=128, num_warps=8), c(block_k=32, num_stages=3), c(num_warps=8, num_stages=3),
+  two = [c(block_k=128, num_warps=8), c(block_k=32, num_stages=4), c(num_warps=8, num_stages=2),
          c(sub_clusters=64, block_k=32), c(sub_clusters=256, target_programs=768),
          c(reduce_stats_first=True, target_programs=3072), c(block_k=128, num_stages=1),
          c(reduce_stats_first=True, num_warps=8)]
-  combos = [c(reduce_stats_first=True, block_k=32, num_stages=3, target_programs=3072),
+  combos = [c(reduce_stats_first=True, block_k=32, target_programs=3072),
             c(reduce_stats_first=True, block_k=128, num_warps=8, sub_clusters=64),
-            c(reduce_stats_first=True, sub_clusters=64, block_k=32, num_stages=3,
-              target_programs=3072, block_c=512, score_warps=8)]
+            c(reduce_stats_first=True, sub_clusters=64, block_k=32, target_programs=3072,
+              block_c=512, score_warps=8)]
   cfgs = [DEFAULT] + one + two + combos
   if not plan.sweep:
     return cfgs[:1]
