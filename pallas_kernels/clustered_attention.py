@@ -97,7 +97,7 @@ class ClusteredConfig:
     block statistics itself).  Always done when statistics are combined across
     devices (``clustered_decode_partial(reduce_stats=...)``).
   """
-  # block_c and num_stages: the fastest of 45 tilings timed by kernel time on an H200
+  # block_c and num_stages: the fastest of 38 tilings timed by kernel time on an H200
   # (benchmarks/results/gpu_h200_decode_stages): a third pipeline stage takes the attention
   # kernel from 42 to 28 us at 128K; 128-centroid scoring blocks take scoring from 22 to 18 us at 512K.
   block_c: int = 128
