@@ -27,10 +27,10 @@ anything.
 Decode (``clustered_decode_attention``) = 3 Pallas kernels, no host synchronisation
 and no index list:
 
-(A) ``_score_kernel``, grid (Hkv, centroid blocks of ``block_c``): loads its
-    centroid block once for the ``g`` query heads of the KV head, writes the
-    scaled logits ``x = s q.C`` [Hkv, g, C] (f32) and per block the max ``m_b`` and
-    ``l_b = sum N exp(x - m_b)``.
+(A) ``_score_kernel``, grid (Hkv, programs of ``score_blocks`` blocks of ``block_c``
+    centroids): loads each centroid block once for the ``g`` query heads of the KV
+    head, writes the scaled logits ``x = s q.C`` [Hkv, g, C] (f32) and per program the
+    max ``m_b`` and ``l_b = sum N exp(x - m_b)``.
 (B) ``_attn_kernel``, grid (Hkv, programs).  Programs are, in this order: the new
     part in chunks of ``chunk_new`` keys, the exact part split over
     ``exact_programs`` programs, then one program per ``block_clusters``
@@ -83,7 +83,11 @@ MAX_VOTE_Q_GROUP = 30     # vote="q" keeps one bit per query head of a group in 
 class ClusteredConfig:
   """Static tiling of the clustered decode kernels.
 
-  block_c: centroids per scoring program (kernel A), power of two >= 16.
+  block_c: centroids per scoring block (kernel A), power of two >= 16.
+  score_blocks: blocks of ``block_c`` centroids per scoring program (a loop folding the
+    softmax statistics online); fewer programs, and fewer (m, l) columns for every
+    attention program to reduce.
+  score_stages: pipeline stages of the scoring loop.
   block_clusters: clusters per attention program (kernel B), a multiple of
     ``sub_clusters``; None = power of two chosen so that about
     ``target_programs`` cluster programs run.
@@ -109,6 +113,8 @@ class ClusteredConfig:
   num_warps: int = 4
   num_stages: int = 3
   score_warps: int = 4
+  score_blocks: int = 1
+  score_stages: int = 1
   target_programs: int = 1536
   reduce_stats_first: bool = False
 
@@ -128,7 +134,9 @@ class ClusteredConfig:
     if not isinstance(self.exact_programs, int) or self.exact_programs < 1:
       raise ValueError(f"exact_programs must be a positive int, got {self.exact_programs!r}")
     cm.check_warps_stages(self.num_warps, self.num_stages)
-    cm.check_warps_stages(self.score_warps, 1)
+    cm.check_warps_stages(self.score_warps, self.score_stages)
+    if not isinstance(self.score_blocks, int) or self.score_blocks < 1:
+      raise ValueError(f"score_blocks must be a positive int, got {self.score_blocks!r}")
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
       raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
 
@@ -145,7 +153,8 @@ class _Plan:
   num_s: int
   dp: int
   block_c: int     # kernel A
-  n_a: int         # centroid blocks
+  score_blocks: int  # blocks per kernel-A program
+  n_a: int         # kernel-A programs per KV head (columns of its statistics)
   n_a2: int        # n_a padded to a power of two
   n_sa: int        # columns of the (m, l) statistics kernel B reads (power of two)
   n_sv: int        # ... of which valid: n_a (block stats) or 1 (one (M, D) per head)
@@ -169,7 +178,8 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
   rp = max(16, cm.next_pow2(g))
   cpow = max(16, cm.next_pow2(num_c))
   block_c = min(cfg.block_c, cpow)
-  n_a = cm.cdiv(num_c, block_c)
+  score_blocks = min(cfg.score_blocks, cm.cdiv(num_c, block_c))
+  n_a = cm.cdiv(num_c, block_c * score_blocks)
   bcs = min(cfg.sub_clusters, cpow)
   if cfg.block_clusters is not None:
     bc = max(bcs, min(cfg.block_clusters, cm.cdiv(cpow, bcs) * bcs))
@@ -178,7 +188,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     bc = 1 << max(0, round(np.log2(want)))       # nearest power of two in log scale
     bc = max(bcs, min(bc, 1024, cpow))
   n_cb = cm.cdiv(num_c, bc)
-  cx = max(n_a * block_c, n_cb * bc)
+  cx = max(n_a * score_blocks * block_c, n_cb * bc)
   bk = cfg.block_k
   if num_s:
     if cfg.chunk_new is not None:
@@ -190,7 +200,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
   else:
     chunk_new, n_new = bk, 0
   return _Plan(hq=hq, hkv=hkv, g=g, rp=rp, num_l=num_l, num_c=num_c, num_s=num_s,
-               dp=cm.padded_head_dim(d), block_c=block_c, n_a=n_a,
+               dp=cm.padded_head_dim(d), block_c=block_c, score_blocks=score_blocks, n_a=n_a,
                n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
                vote=vote)
@@ -213,31 +223,44 @@ def _score_kernel(q_ref,      # [Hq, dp]
                   c_ref,      # [Hkv * C, dp]
                   offs_ref,   # [Hkv * (C + 1)] int32
                   x_ref,      # out [Hkv, g, Cx] f32 scaled logits (MASK on invalid)
-                  m_ref,      # out [Hkv, g, nA2] f32 block max
-                  l_ref,      # out [Hkv, g, nA2] f32 block sum N exp(x - m)
+                  m_ref,      # out [Hkv, g, nA2] f32 program max
+                  l_ref,      # out [Hkv, g, nA2] f32 program sum N exp(x - m)
                   *, p: _Plan, scale, exact_dot):
+  """One program per (KV head, ``score_blocks`` blocks of ``block_c`` centroids): the
+  logits of each block, and the program's (m, l) folded online over its blocks."""
   kv = pl.program_id(0)
-  cb = pl.program_id(1)
+  sp = pl.program_id(1)
   hr = jnp.arange(p.rp, dtype=jnp.int32)
   hv = hr < p.g
   q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
-  j = cb * p.block_c + jnp.arange(p.block_c, dtype=jnp.int32)
-  jv = j < p.num_c
-  _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
-  valid = jv & (cnt > 0)
-  c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)            # [Bc, dp]
-  if exact_dot:
-    x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
+
+  def block(b, carry):
+    m_run, l_run = carry                                               # [rp]
+    cb = sp * p.score_blocks + b
+    j = cb * p.block_c + jnp.arange(p.block_c, dtype=jnp.int32)
+    jv = j < p.num_c
+    _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
+    valid = jv & (cnt > 0)
+    c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)          # [Bc, dp]
+    if exact_dot:
+      x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
+    else:
+      x = plgpu.dot(q, c, trans_b=True)
+    x = jnp.where(valid[None, :], x * scale, cm.MASK_VALUE)           # [rp, Bc]
+    plgpu.store(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(cb * p.block_c, p.block_c)], x,
+                mask=hv[:, None])
+    m_new = jnp.maximum(m_run, jnp.max(x, axis=1))
+    e = jnp.where(valid[None, :], jnp.exp(x - m_new[:, None]), 0.0)
+    l_new = l_run * jnp.exp(m_run - m_new) + jnp.sum(e * cnt.astype(jnp.float32)[None, :], axis=1)
+    return m_new, l_new
+
+  init = (jnp.full((p.rp,), cm.MASK_VALUE, jnp.float32), jnp.zeros((p.rp,), jnp.float32))
+  if p.score_blocks == 1:
+    m, l = block(0, init)
   else:
-    x = plgpu.dot(q, c, trans_b=True)
-  x = jnp.where(valid[None, :], x * scale, cm.MASK_VALUE)             # [rp, Bc]
-  m = jnp.max(x, axis=1)
-  e = jnp.where(valid[None, :], jnp.exp(x - m[:, None]), 0.0)
-  l = jnp.sum(e * cnt.astype(jnp.float32)[None, :], axis=1)
-  plgpu.store(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(cb * p.block_c, p.block_c)], x,
-              mask=hv[:, None])
-  plgpu.store(m_ref.at[kv, pl.ds(0, p.rp), cb], m, mask=hv)
-  plgpu.store(l_ref.at[kv, pl.ds(0, p.rp), cb], l, mask=hv)
+    m, l = lax.fori_loop(0, p.score_blocks, block, init)
+  plgpu.store(m_ref.at[kv, pl.ds(0, p.rp), sp], m, mask=hv)
+  plgpu.store(l_ref.at[kv, pl.ds(0, p.rp), sp], l, mask=hv)
 
 
 def _attn_kernel(thr_ref,      # [1] f32
@@ -418,7 +441,7 @@ def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: Cluste
   x, ms, ls = pallas_call(
       functools.partial(_score_kernel, p=p, scale=scale,
                         exact_dot=jnp.dtype(q.dtype) == jnp.dtype(jnp.float32)),
-      backend=backend, num_warps=cfg.score_warps, num_stages=1,
+      backend=backend, num_warps=cfg.score_warps, num_stages=cfg.score_stages,
       grid=(hkv, p.n_a),
       out_shape=[jax.ShapeDtypeStruct((hkv, p.g, p.cx), jnp.float32),
                  jax.ShapeDtypeStruct((hkv, p.g, p.n_a2), jnp.float32),

@@ -6,6 +6,8 @@ helper, the Triton lowering at Llama-3-8B shapes (with the MLIR verifier that
 catches loop-bound type mismatches), and the GPU script's clustered checks.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -239,8 +241,15 @@ DECODE_CASES = [  # hq, hkv, vote, dtype, d
 ]
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,d", DECODE_CASES)
-def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d):
+# Several centroid blocks per scoring program (statistics folded online); with 37 clusters
+# in blocks of 16, 2 blocks leave the second program one real block and one past the end.
+MULTI_BLOCK = [(8, 2, "kv", jnp.float32, 32, 2), (8, 2, "q", jnp.float32, 32, 3),
+               (8, 2, "kv", BF, 32, 2)]
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks",
+                         [c + (1,) for c in DECODE_CASES] + MULTI_BLOCK)
+def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks):
   scale = d ** -0.5
   x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
   thr = threshold_for(x, meta, scale, vote)
@@ -250,8 +259,9 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d):
   assert big, "need clusters larger than the row tile"
   x = poison_unselected(x, meta, sel_np)
   args = args_of(x, thr)
+  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2))
   out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=True,
-                                              backend="interpret", config=SMALL)
+                                              backend="interpret", config=cfg)
   ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
                                                           return_stats=True)
   assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
@@ -461,7 +471,8 @@ def test_random_shapes(rng):
   vote = str(rng.choice(["kv", "q"]))
   cfg = ClusteredConfig(block_c=int(rng.choice([16, 32])), sub_clusters=16,
                         block_clusters=int(rng.choice([16, 32, 48])),
-                        block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)))
+                        block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)),
+                        score_blocks=int(rng.integers(1, 4)))
   print(dict(hkv=hkv, g=g, num_c=num_c, n_cl=n_cl, d=d, vote=vote, cfg=cfg))
   x, meta = make_case(rng, hq=hkv * g, hkv=hkv, num_c=num_c, n_sink=int(rng.integers(0, 5)),
                       n_clustered=n_cl, n_tail=int(rng.integers(0, 20)), d=d,
@@ -659,6 +670,7 @@ def test_decode_selected_lowers(fake_h100):
     ClusteredConfig(block_clusters=256, sub_clusters=256),
     ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
     ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
+    ClusteredConfig(score_blocks=4, score_stages=2),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
