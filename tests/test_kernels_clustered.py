@@ -705,3 +705,20 @@ def test_gpu_script_clustered_checks():
   res = gpu_kernels.run_clustered_checks(plan, lambda m: None)
   assert len(res) == 2
   assert all(c["status"] == "PASS" for c in res), res
+
+
+@pytest.mark.parametrize("num_l,num_c,hkv,want", [
+    (524288, 26214, 8, 4),       # 205 blocks of 128 per KV head -> 410 programs of 4 blocks
+    (131072, 6554, 8, 1),
+    (1048576, 52429, 4, 4),      # one GPU's half of the KV heads at 1M
+    (1048576, 52429, 8, 8),
+    (300, 37, 2, 1),
+])
+def test_score_blocks_auto(num_l, num_c, hkv, want):
+  from pallas_kernels.clustered_attention import _make_plan
+  p = _make_plan(4 * hkv, hkv, num_l, num_c, 0, 128, "kv", ClusteredConfig())
+  assert p.score_blocks == want
+  bc = p.block_c                 # 128, or less for a small C (37 -> 64)
+  assert p.n_a == -(-num_c // (bc * want)) and p.cx >= p.n_a * want * bc
+  assert _make_plan(4 * hkv, hkv, num_l, num_c, 0, 128, "kv",
+                    ClusteredConfig(score_blocks=2)).score_blocks == min(2, -(-num_c // bc))
