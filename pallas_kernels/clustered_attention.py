@@ -98,10 +98,6 @@ class ClusteredConfig:
   block_k: K/V rows per tile (power of two >= 16).
   chunk_new: user-input keys per program (multiple of block_k) or None (auto).
   exact_programs: programs per KV head for the exact part (>= 1).
-  cluster_workers: None, or that many cluster programs per KV head, program i taking the
-    sub-blocks i, i + workers, ... (``block_clusters`` / ``target_programs`` then unused).
-  prefetch: each sub-block's ranges and logits are loaded while the previous sub-block's
-    rows stream (a program with several sub-blocks).
   reduce_stats_first: reduce the scoring kernel's per-block (m, l) to one (M, D)
     per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
@@ -121,14 +117,12 @@ class ClusteredConfig:
   score_warps: int = 4
   # score_blocks / score_programs / score_stages: 4 blocks per program (2 stages) took the
   # scoring kernel from 18.0 to 16.9 us and the attention kernel from 69.4 to 66.7 us at 512K
-  # on an H200, 1 block stayed fastest at 128K (gpu_h200_decode_stages/score_blocks).
+  # on an H200, 1 block stayed fastest at 128K (gpu_h200_decode_stages/score_blocks_abf0b46).
   score_blocks: int | None = None
   score_programs: int = 400
   score_stages: int = 2
   target_programs: int = 1536
   reduce_stats_first: bool = False
-  cluster_workers: int | None = None
-  prefetch: bool = False
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -152,9 +146,6 @@ class ClusteredConfig:
       raise ValueError(f"score_blocks must be None or a positive int, got {sb!r}")
     if not isinstance(self.score_programs, int) or self.score_programs < 1:
       raise ValueError(f"score_programs must be a positive int, got {self.score_programs!r}")
-    cw = self.cluster_workers
-    if cw is not None and (not isinstance(cw, int) or cw < 1):
-      raise ValueError(f"cluster_workers must be None or a positive int, got {cw!r}")
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
       raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
 
@@ -179,9 +170,6 @@ class _Plan:
   bc: int          # clusters per kernel-B program
   bcs: int         # sub-block
   n_cb: int        # cluster programs per KV head
-  n_blk: int       # sub-blocks of bcs clusters per KV head
-  strided: bool    # cluster program i takes sub-blocks i, i + n_cb, ... (``cluster_workers``)
-  prefetch: bool
   cx: int          # columns of the logits buffer
   block_k: int
   chunk_new: int
@@ -212,13 +200,8 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     want = max(1.0, hkv * num_c / cfg.target_programs)
     bc = 1 << max(0, round(np.log2(want)))       # nearest power of two in log scale
     bc = max(bcs, min(bc, 1024, cpow))
-  n_blk = cm.cdiv(num_c, bcs)
-  strided = cfg.cluster_workers is not None
-  if strided:
-    bc, n_cb = bcs, min(cfg.cluster_workers, n_blk)
-  else:
-    n_cb = cm.cdiv(num_c, bc)
-  cx = max(n_a * score_blocks * block_c, n_blk * bcs, n_cb * bc)
+  n_cb = cm.cdiv(num_c, bc)
+  cx = max(n_a * score_blocks * block_c, n_cb * bc)
   bk = cfg.block_k
   if num_s:
     if cfg.chunk_new is not None:
@@ -231,8 +214,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     chunk_new, n_new = bk, 0
   return _Plan(hq=hq, hkv=hkv, g=g, rp=rp, num_l=num_l, num_c=num_c, num_s=num_s,
                dp=cm.padded_head_dim(d), block_c=block_c, score_blocks=score_blocks, n_a=n_a,
-               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, n_blk=n_blk, strided=strided,
-               prefetch=cfg.prefetch, cx=cx,
+               n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
                vote=vote)
 
@@ -369,34 +351,20 @@ def _attn_kernel(thr_ref,      # [1] f32
   all_bits = (1 << p.g) - 1 if vote_q else 1
   head_bit = jnp.left_shift(i32(1), hr)                                # [rp]
   slot = jnp.arange(p.bcs, dtype=i32)
-  if p.strided:   # worker cl_i takes sub-blocks cl_i, cl_i + n_cb, ...
-    n_sub_cl = cm.kcdiv(jnp.maximum(p.n_blk - cl_i, 0), p.n_cb).astype(i32)
-    first_c = lambda sb: (cl_i + sb * p.n_cb) * p.bcs
-  else:           # program cl_i takes the bc // bcs sub-blocks of its cluster block
-    n_sub_cl = i32(p.bc // p.bcs)
-    first_c = lambda sb: cl_i * p.bc + sb * p.bcs
-  n_sub_loop = jnp.where(is_cl, n_sub_cl, jnp.where(is_ex, i32(1), i32(0))).astype(i32)
+  n_sub = p.bc // p.bcs
+  n_sub_loop = jnp.where(is_cl, i32(n_sub), jnp.where(is_ex, i32(1), i32(0))).astype(i32)
 
-  def sub_loads(sb):
-    """Sub-block sb's cluster ranges and logits (nothing is read past the last one)."""
-    c0 = first_c(sb)
+  def sub_body(sb, carry):
+    c0 = cl_i * p.bc + sb * p.bcs
     c = c0 + slot
-    cv = is_cl & (c < p.num_c) & (sb < n_sub_loop)
+    cv = is_cl & (c < p.num_c)
     lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
+    valid = cv & (cnt > 0)
+    xmask = hv[:, None] & valid[None, :]
     # loaded by index (kernel A wrote MASK for empty clusters), so the load does not wait for
     # the offsets: 1-3 us less at 512K (gpu_h200_decode_stages/ab_index_loads.json)
     x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=hv[:, None] & cv[None, :],
                    other=cm.MASK_VALUE)                                # [rp, Bcs]
-    return c0, cv, lo, cnt, x
-
-  def sub_body(sb, carry):
-    if p.prefetch:   # issue the next sub-block's loads before streaming this one's rows
-      carry, (c0, cv, lo, cnt, x) = carry
-      nxt = sub_loads(sb + 1)
-    else:
-      c0, cv, lo, cnt, x = sub_loads(sb)
-    valid = cv & (cnt > 0)
-    xmask = hv[:, None] & valid[None, :]
     s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
     if vote_q:
       selh = xmask & (s > thr)                                         # [rp, Bcs]
@@ -444,13 +412,9 @@ def _attn_kernel(thr_ref,      # [1] f32
       return core._online_update(carry, q, kt, vt, mask, scale)
 
     n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
-    carry = lax.fori_loop(i32(0), n_tiles, tile_body, carry)
-    return (carry, nxt) if p.prefetch else carry
+    return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
-  if p.prefetch:
-    carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, (carry, sub_loads(i32(0))))[0]
-  else:
-    carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
+  carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
   o, m, l = carry
   plgpu.store(o_ref.at[kv, prog, pl.ds(0, p.rp), :], o, mask=hv[:, None])
   plgpu.store(m_ref.at[kv, prog, pl.ds(0, p.rp)], m, mask=hv)

@@ -671,7 +671,6 @@ def test_decode_selected_lowers(fake_h100):
     ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
     ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
     ClusteredConfig(score_blocks=4, score_stages=2),
-    ClusteredConfig(cluster_workers=48, prefetch=True),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
@@ -723,29 +722,3 @@ def test_score_blocks_auto(num_l, num_c, hkv, want):
   assert p.n_a == -(-num_c // (bc * want)) and p.cx >= p.n_a * want * bc
   assert _make_plan(4 * hkv, hkv, num_l, num_c, 0, 128, "kv",
                     ClusteredConfig(score_blocks=2)).score_blocks == min(2, -(-num_c // bc))
-
-
-@pytest.mark.parametrize("workers,prefetch,vote,return_stats", [
-    (2, False, "kv", True),      # 37 clusters in sub-blocks of 16: worker 0 takes 0 and 2
-    (2, True, "q", True),
-    (1, True, "kv", False),      # one worker walks every sub-block, loads one ahead
-    (None, True, "q", False),    # contiguous blocks of 32 = 2 sub-blocks, loaded one ahead
-    (8, True, "kv", True),       # more workers than sub-blocks: clipped to 3
-])
-def test_decode_cluster_workers_and_prefetch(rng, workers, prefetch, vote, return_stats):
-  d = 32
-  scale = d ** -0.5
-  x, meta = make_case(rng, d=d)
-  thr = threshold_for(x, meta, scale, vote)
-  args = args_of(x, thr)
-  cfg = dataclasses.replace(SMALL, cluster_workers=workers, prefetch=prefetch)
-  out = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=return_stats,
-                                   backend="interpret", config=cfg)
-  ref = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
-                                             return_stats=return_stats)
-  if return_stats:
-    (out, sel, rows), (ref, rsel, rrows) = out, ref
-    np.testing.assert_array_equal(np.asarray(sel), np.asarray(rsel))
-    np.testing.assert_array_equal(np.asarray(rows), np.asarray(rrows))
-  assert not np.isnan(f64(out)).any()
-  assert rel(out, ref) < 2e-5
