@@ -87,8 +87,8 @@ class ClusteredConfig:
   score_blocks: blocks of ``block_c`` centroids per scoring program (a loop folding the
     softmax statistics online): fewer programs, and fewer (m, l) columns for every
     attention program to reduce.  None = the power of two nearest to
-    ``Hkv * blocks / score_programs`` (at least 1).
-  score_programs: the scoring programs aimed at when ``score_blocks`` is None.
+    ``Hkv * blocks / score_programs``, between 1 and ``max_score_blocks``.
+  score_programs, max_score_blocks: the automatic choice when ``score_blocks`` is None.
   score_stages: pipeline stages of the scoring loop.
   block_clusters: clusters per attention program (kernel B), a multiple of
     ``sub_clusters``; None = power of two chosen so that about
@@ -117,9 +117,11 @@ class ClusteredConfig:
   score_warps: int = 4
   # score_blocks / score_programs / score_stages: 4 blocks per program (2 stages) took the
   # scoring kernel from 18.0 to 16.9 us and the attention kernel from 69.4 to 66.7 us at 512K
-  # on an H200, 1 block stayed fastest at 128K (gpu_h200_decode_stages/score_blocks_abf0b46).
+  # on an H200, 1 block stayed fastest at 128K; with 32 KV heads 4 blocks beat 16 at 512K
+  # (48.5 vs 55 us) and matched 2 at 128K (gpu_h200_decode_stages/score_blocks).
   score_blocks: int | None = None
   score_programs: int = 400
+  max_score_blocks: int = 4
   score_stages: int = 2
   target_programs: int = 1536
   reduce_stats_first: bool = False
@@ -144,8 +146,10 @@ class ClusteredConfig:
     sb = self.score_blocks
     if sb is not None and (not isinstance(sb, int) or sb < 1):
       raise ValueError(f"score_blocks must be None or a positive int, got {sb!r}")
-    if not isinstance(self.score_programs, int) or self.score_programs < 1:
-      raise ValueError(f"score_programs must be a positive int, got {self.score_programs!r}")
+    for name in ("score_programs", "max_score_blocks"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
       raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
 
@@ -191,6 +195,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
   score_blocks = cfg.score_blocks
   if score_blocks is None:
     score_blocks = 1 << max(0, round(np.log2(max(1.0, hkv * blocks / cfg.score_programs))))
+    score_blocks = min(score_blocks, cfg.max_score_blocks)
   score_blocks = min(score_blocks, blocks)
   n_a = cm.cdiv(num_c, block_c * score_blocks)
   bcs = min(cfg.sub_clusters, cpow)

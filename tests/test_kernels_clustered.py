@@ -711,7 +711,9 @@ def test_gpu_script_clustered_checks():
     (524288, 26214, 8, 4),       # 205 blocks of 128 per KV head -> 410 programs of 4 blocks
     (131072, 6554, 8, 1),
     (1048576, 52429, 4, 4),      # one GPU's half of the KV heads at 1M
-    (1048576, 52429, 8, 8),
+    (1048576, 52429, 8, 4),      # 8 by the program count, capped at max_score_blocks
+    (524288, 26214, 32, 4),      # Llama-2-7B heads: 16 by the count, capped
+    (131072, 6554, 32, 4),
     (300, 37, 2, 1),
 ])
 def test_score_blocks_auto(num_l, num_c, hkv, want):
