@@ -18,8 +18,8 @@ T0 = time.time()
 BUDGET = float(os.environ.get("SWEEP_S", "520"))
 OUT = os.environ.get("OUT", "/tmp")
 BF16 = jnp.bfloat16
-plan = Plan()
-src = KeySource(".scratch/captured/smollm2_qkv.npz", plan)
+plan = Plan(hq=int(os.environ.get("SWEEP_HQ", "32")), hkv=int(os.environ.get("SWEEP_HKV", "8")))
+src = KeySource(".scratch/captured/smollm2_qkv.npz", Plan())  # captured 8 KV heads, tiled to plan.hkv
 print("keys:", src.kind, jax.devices()[0].device_kind, flush=True)
 # The variants of the three runs (each run named its subset per length with SWEEP_ONLY_<L>;
 # every result in the JSON records its config).  sweep_abf0b46.json ran at abf0b46, where the
