@@ -602,6 +602,14 @@ def test_validation_errors(rng):
     ClusteredConfig(block_k=24)
   with pytest.raises(ValueError, match="exact_programs"):
     ClusteredConfig(exact_programs=0)
+  with pytest.raises(ValueError, match="score_blocks"):
+    ClusteredConfig(score_blocks=0)
+  with pytest.raises(ValueError, match="max_score_blocks"):
+    ClusteredConfig(max_score_blocks=0)
+  with pytest.raises(ValueError, match="score_programs"):
+    ClusteredConfig(score_programs=2.5)
+  with pytest.raises(ValueError, match="num_stages"):
+    ClusteredConfig(score_stages=0)
 
 
 # ----------------------------------------------------------------------------
