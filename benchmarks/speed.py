@@ -575,6 +575,20 @@ def _fused_decode_by_layer(plan: Plan, data, index, length: int, q_layers, layer
     return rows
 
 
+def _stable_step(graphdef, state, tok, pos, cache, attn_state, *, attn_fn):
+    """One greedy decode step whose token, position and cache are donated and come back as
+    outputs of the same shapes: XLA aliases them, so every step runs on the same addresses.
+    tok, pos int32 [1, 1] -> (next token [1, 1], pos + 1, cache)."""
+    from models.forward import forward
+
+    lg, cache, _ = forward(graphdef, state, tok, pos, cache, attn_fn=attn_fn, attn_state=attn_state,
+                           logits="last")
+    return jnp.argmax(lg[:, -1], axis=-1).astype(jnp.int32)[:, None], pos + 1, cache
+
+
+_stable_step_jit = jax.jit(_stable_step, static_argnames=("attn_fn",), donate_argnames=("tok", "pos", "cache"))
+
+
 def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     from flax import nnx
 
@@ -671,7 +685,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
         return time_ms(f, [(q, state_tree)], reps=plan.reps)
 
     n_pipe = n_steps  # steps dispatched back to back (no host sync in between), as generate() runs
-    capacity = n_prompt + 2 * n_steps + n_pipe + 8
+    capacity = n_prompt + 2 * n_steps + 2 * n_pipe + 16
 
     def run(hook, state_tree) -> dict:
         def step(tok, p, c):
@@ -710,8 +724,24 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
             p += 1
         jax.block_until_ready(nxt)
         pipelined = (time.perf_counter() - t0) / n_pipe
+        # pipelined on stable buffers: token and position stay on the device, donated each step
+        # (the pipelined loop above hands every step a new token and a new position buffer)
+        tok_d, pos_d = nxt.reshape(1, 1), jnp.full((1, 1), p, jnp.int32)
+        tok_d, pos_d, cache = _stable_step_jit(graphdef, state, tok_d, pos_d, cache, state_tree, attn_fn=hook)
+        jax.block_until_ready(tok_d)  # compiled; one step taken
+        host_stable = []
+        t0 = time.perf_counter()
+        for i in range(n_pipe):
+            th = time.perf_counter()
+            tok_d, pos_d, cache = _stable_step_jit(graphdef, state, tok_d, pos_d, cache, state_tree, attn_fn=hook)
+            host_stable.append(time.perf_counter() - th)
+        jax.block_until_ready(tok_d)
+        pipelined_stable = (time.perf_counter() - t0) / n_pipe
+        nxt, p = tok_d.reshape(()), p + n_pipe + 1
         res = {"ttft_s": float(np.median(ttfts)), "ms_per_token": 1e3 * float(np.median(times)),
-               "host_dispatch_ms": 1e3 * float(np.median(host)), "ms_per_token_pipelined": 1e3 * pipelined}
+               "host_dispatch_ms": 1e3 * float(np.median(host)), "ms_per_token_pipelined": 1e3 * pipelined,
+               "ms_per_token_pipelined_stable": 1e3 * pipelined_stable,
+               "host_dispatch_stable_ms": 1e3 * float(np.median(host_stable))}
         # where the device time goes: a trace of n_prof pipelined steps
         n_prof = 4
         box = {"nxt": nxt, "cache": cache, "p": p}
@@ -752,12 +782,14 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
             r = out[name] = run(hook, st)
             r["tokens_per_s"] = 1e3 / r["ms_per_token"]
             r["tokens_per_s_pipelined"] = 1e3 / r["ms_per_token_pipelined"]
+            r["tokens_per_s_pipelined_stable"] = 1e3 / r["ms_per_token_pipelined_stable"]
             if name != "no-attention":
                 r["attention_ms_per_layer"] = attn_layer_ms(hook, st)
 
             prof = r.get("profile", {})
             log(f"[e2e] {name}: TTFT {r['ttft_s'] * 1e3:.1f} ms ({n_prompt} tokens), {r['ms_per_token']:.2f} ms/token "
-                f"synced, {r['ms_per_token_pipelined']:.2f} pipelined, dispatch {r['host_dispatch_ms']:.2f} ms, "
+                f"synced, {r['ms_per_token_pipelined']:.2f} pipelined, {r['ms_per_token_pipelined_stable']:.2f} pipelined on "
+                f"stable buffers (dispatch {r['host_dispatch_stable_ms']:.2f} ms), dispatch {r['host_dispatch_ms']:.2f} ms, "
                 f"device busy {prof.get('busy_ms_per_token', float('nan')):.2f} ms/token "
                 f"({prof.get('kernels_per_token', float('nan')):.0f} kernels), "
                 f"one layer's attention {r.get('attention_ms_per_layer', 0):.3f} ms")
@@ -771,6 +803,8 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     if "tokens_per_s" in out.get("squeezed", {}) and "tokens_per_s" in out.get("full", {}):
         out["decode_speedup"] = out["squeezed"]["tokens_per_s"] / out["full"]["tokens_per_s"]
         out["decode_speedup_pipelined"] = out["squeezed"]["tokens_per_s_pipelined"] / out["full"]["tokens_per_s_pipelined"]
+        out["decode_speedup_pipelined_stable"] = (out["squeezed"]["tokens_per_s_pipelined_stable"]
+                                                  / out["full"]["tokens_per_s_pipelined_stable"])
         out["ttft_speedup"] = out["full"]["ttft_s"] / out["squeezed"]["ttft_s"]
     base = out.get("no-attention", {}).get("profile", {}).get("busy_ms_per_token")
     for name in ("squeezed", "full", "full-xla"):
@@ -943,10 +977,13 @@ def to_markdown(res: dict) -> str:
                "each step is dispatched while the previous one runs (the next token stays on the device), "
                "as `models.generate` does; \"dispatch\" = time until the jitted step returns (the host "
                "enqueues every kernel); device busy = union of kernel time per token in a profiler trace of "
-               "4 pipelined steps; \"one layer\" = one layer's attention call alone, jitted.", "",
+               "4 pipelined steps; \"one layer\" = one layer's attention call alone, jitted; \"stable\" = pipelined "
+               "with the token and position carried on the device and donated, so every step runs on the same "
+               "buffer addresses (\"stable dispatch\" = its time until the step returns).", "",
                "| variant | TTFT (128-token question) | ms / token synced | ms / token pipelined | tokens/s pipelined "
+               "| ms / token stable | tokens/s stable | stable dispatch ms "
                "| dispatch ms | device busy ms / token | kernels / token | one layer's attention ms |",
-               "|---|---|---|---|---|---|---|---|---|"]
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in ("squeezed", "full", "full-xla", "no-attention"):
             r = e2e.get(name)
             if r is None:
@@ -956,12 +993,15 @@ def to_markdown(res: dict) -> str:
                 md.append(f"| {name} | {1e3 * r['ttft_s']:.1f} ms | {r['ms_per_token']:.2f} | "
                           f"{r.get('ms_per_token_pipelined', float('nan')):.2f} | "
                           f"{r.get('tokens_per_s_pipelined', float('nan')):.1f} | "
+                          f"{r.get('ms_per_token_pipelined_stable', float('nan')):.2f} | "
+                          f"{r.get('tokens_per_s_pipelined_stable', float('nan')):.1f} | "
+                          f"{r.get('host_dispatch_stable_ms', float('nan')):.2f} | "
                           f"{r.get('host_dispatch_ms', float('nan')):.2f} | "
                           f"{prof.get('busy_ms_per_token', float('nan')):.2f} | "
                           f"{prof.get('kernels_per_token', float('nan')):.0f} | "
                           f"{r.get('attention_ms_per_layer', 0.0):.3f} |")
             else:
-                md.append(f"| {name} | error: {r.get('error', '?')[:80]} | | | | | | | |")
+                md.append(f"| {name} | error: {r.get('error', '?')[:80]} | | | | | | | | | | |")
         md += ["", "full = the split-KV Pallas dense kernel (the dispatch default for dense attention on GPU); "
                "full-xla = the jnp reference; no-attention = every layer's attention replaced by zeros (weights, "
                "norms, MLPs, logits and per-step overhead only)."]
@@ -986,6 +1026,8 @@ def to_markdown(res: dict) -> str:
         if "decode_speedup" in e2e:
             if "decode_speedup_pipelined" in e2e:
                 md.append(f"\nDecode speedup pipelined {e2e['decode_speedup_pipelined']:.2f}×.")
+            if "decode_speedup_pipelined_stable" in e2e:
+                md.append(f"\nDecode speedup pipelined on stable buffers {e2e['decode_speedup_pipelined_stable']:.2f}×.")
             if "attention_busy_speedup" in e2e:
                 md.append(f"\nAttention's device time per token (busy time minus the no-attention variant's): "
                           f"squeezed {e2e['squeezed']['attention_busy_ms_per_token']:.2f} ms, full "

@@ -89,6 +89,41 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
         assert "error" not in row, row
         assert row["ms_per_token"] > 0 and row["ms_per_token_pipelined"] > 0
         assert row["tokens_per_s_pipelined"] == 1e3 / row["ms_per_token_pipelined"]
+        assert row["ms_per_token_pipelined_stable"] > 0 and row["host_dispatch_stable_ms"] > 0
     assert e2e["decode_speedup_pipelined"] == (e2e["squeezed"]["tokens_per_s_pipelined"]
                                                / e2e["full"]["tokens_per_s_pipelined"])
+    assert e2e["decode_speedup_pipelined_stable"] == (e2e["squeezed"]["tokens_per_s_pipelined_stable"]
+                                                      / e2e["full"]["tokens_per_s_pipelined_stable"])
     assert "ms / token pipelined" in (tmp_path / "speed.md").read_text()
+    assert "ms / token stable" in (tmp_path / "speed.md").read_text()
+
+
+def test_stable_step_matches_forward_and_reuses_its_buffers():
+    """The e2e section's stable-buffer step: the same greedy token as `forward_jit` + argmax, the
+    position advanced by one, and token / position / cache donated (consumed by the call)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.speed import _stable_step_jit
+    from models import LlamaConfig
+    from models.forward import forward_jit
+    from models.kv_cache import KVCache
+    from models.llama import Llama
+
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, max_position_embeddings=64, eos_token_id=2, name="tiny")
+    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(3)))
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 61, size=(1, 6)), jnp.int32)
+    _, cache, _ = forward_jit(graphdef, state, ids, jnp.arange(6, dtype=jnp.int32)[None], KVCache.init(cfg, 1, 16))
+    ref_cache = jax.tree.map(jnp.copy, cache)
+    tok, pos = jnp.asarray([[7]], jnp.int32), jnp.asarray([[6]], jnp.int32)
+    ref_lg, ref_cache, _ = forward_jit(graphdef, state, tok, pos, ref_cache, logits="last")
+    nxt, pos2, cache2 = _stable_step_jit(graphdef, state, tok, pos, cache, None, attn_fn=None)
+    assert nxt.shape == (1, 1) and int(nxt[0, 0]) == int(jnp.argmax(ref_lg[0, -1]))
+    assert int(pos2[0, 0]) == 7
+    np.testing.assert_array_equal(np.asarray(cache2.k), np.asarray(ref_cache.k))
+    assert int(cache2.length[0]) == 7
+    assert tok.is_deleted() and pos.is_deleted()     # donated: the next step reuses their buffers
