@@ -266,20 +266,56 @@ class _CompileCounter:
 
 
 def test_decode_step_compiles_once(tiny):
+    from models.generate import _decode_step_carried
+
     graphdef, state = tiny
     lm = _Loaded(graphdef, state, TINY)
-    before = decode_step._cache_size()
+    before = _decode_step_carried._cache_size()
     r = generate(lm, _ids(4, (9,)).tolist(), 12, stop_ids=())
     assert len(r.ids) == 12 and r.decode_steps == 11
-    assert decode_step._cache_size() == before + 1
+    assert _decode_step_carried._cache_size() == before + 1
     counter = _CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
         r2 = generate(lm, _ids(5, (9,)).tolist(), 12, stop_ids=())  # same shapes, new content
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
-    assert counter.n == 0 and decode_step._cache_size() == before + 1
+    assert counter.n == 0 and _decode_step_carried._cache_size() == before + 1
     assert r2.ids != r.ids
+
+
+def test_decode_loop_reuses_its_buffers_and_matches_decode_step(tiny):
+    """`generate`'s step carries token, done, position and step on the device: each comes back
+    in the buffer it came in (so XLA can replay the step's command buffer unchanged), and the
+    sampled ids, masked ids and cache equal `decode_step`'s."""
+    from models.generate import _decode_step_carried, _mask_stopped
+
+    graphdef, state = tiny
+    ids = _ids(6, (2, 5))
+    pos = np.tile(np.arange(5, dtype=np.int32), (2, 1))
+    _, cache, _ = forward_jit(graphdef, state, ids, pos, KVCache.init(TINY, 2, 16))
+    key, temp, topp = jax.random.key(0), jnp.float32(1e-6), jnp.float32(1.0)
+    stop, pad = jnp.asarray([2, 5], jnp.int32), jnp.int32(2)
+    tok = jnp.asarray([7, 9], jnp.int32)
+    done = jnp.asarray([False, True])
+    position = jnp.asarray([5, 5], jnp.int32)
+    step = jnp.ones((1,), jnp.int32)
+    ref_cache = jax.tree.map(jnp.copy, cache)
+    for i in range(3):
+        ref_nxt, _, ref_cache = decode_step(graphdef, state, jnp.copy(tok), jnp.asarray([5 + i] * 2, jnp.int32),
+                                            ref_cache, key, jnp.int32(1 + i), temp, topp)
+        ref_tok, ref_done = _mask_stopped(ref_nxt, done, stop, pad)
+        ptrs = [x.unsafe_buffer_pointer() for x in (tok, done, position, step)]
+        tok, done, position, step, cache, nxt = _decode_step_carried(
+            graphdef, state, tok, done, position, step, cache, key, temp, topp, stop, pad)
+        assert [x.unsafe_buffer_pointer() for x in (tok, done, position, step)] == ptrs
+        np.testing.assert_array_equal(np.asarray(nxt), np.asarray(ref_nxt))
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+        np.testing.assert_array_equal(np.asarray(done), np.asarray(ref_done))
+        assert np.asarray(position).tolist() == [6 + i] * 2 and int(step[0]) == 2 + i
+        np.testing.assert_array_equal(np.asarray(cache.k), np.asarray(ref_cache.k))
+    assert bool(done[1])                      # a stopped row stays stopped, fed the pad id
+    assert int(tok[1]) == 2
 
 
 class _Loaded:
