@@ -317,8 +317,12 @@ class FixedContext:
         prefill_sel = self._lookup_stats(stack("q", caps)[:, None], stack("q_pre", caps)[:, None], 1,
                                          jnp.asarray(padded >= 0))
         out, step_caps, step_times = [], [], []
-        pos = self.n_tokens + len(q_ids)
         emitted = ""
+        # carried on the device from step to step (donated: the same buffers every step)
+        tok_d = jnp.full((1, 1), nxt, jnp.int32)
+        pos_d = jnp.full((1, 1), self.n_tokens + len(q_ids), jnp.int32)
+        step_d = jnp.ones((1,), jnp.int32)
+        temp_d, top_p_d = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
         nxt_dev, t_prev = None, time.perf_counter()
         for step in range(max_new_tokens):
             # pipelined: the step that feeds token `step` is dispatched (from the token still on
@@ -326,11 +330,10 @@ class FixedContext:
             # device's work; a stop discards that one step ahead.
             ahead = None
             if step < max_new_tokens - 1:
-                tok = jnp.full((1,), nxt, jnp.int32) if nxt_dev is None else nxt_dev
-                logits, cache, caps = self._forward(jnp.reshape(tok, (1, 1)), jnp.full((1, 1), pos, jnp.int32),
-                                                    cache, capture=1)
-                ahead = (_sample(logits[0, -1], jax.random.fold_in(key, step + 1), temperature, top_p), caps)
-                pos += 1
+                tok_d, pos_d, step_d, cache, caps, nxt_ahead = _ask_step(
+                    self.model.graphdef, self.model.state, tok_d, pos_d, step_d, cache, self._state, key,
+                    temp_d, top_p_d, attn_fn=self._hook, greedy=temperature == 0.0, use_top_p=top_p < 1.0)
+                ahead = (nxt_ahead, caps)
             if nxt_dev is not None:
                 nxt = int(nxt_dev[0])
                 now = time.perf_counter()
@@ -343,7 +346,7 @@ class FixedContext:
                 emitted = text
             if nxt in stop or ahead is None:
                 break
-            nxt_dev = jnp.reshape(ahead[0], (1,))
+            nxt_dev = ahead[0]
             step_caps.append(ahead[1])
         step_sel = None
         if step_caps:
@@ -523,6 +526,32 @@ def _lookup_stats_jit(method, index, k_fixed, q, q_pre, q_valid):
 def _model_dtype(model) -> str:
     """The model's compute dtype name (`LoadedModel.dtype`; float32 where a model has none)."""
     return jnp.dtype(getattr(model, "dtype", jnp.float32)).name
+
+
+@functools.partial(jax.jit, static_argnames=("attn_fn", "greedy", "use_top_p"),
+                   donate_argnames=("tok", "pos", "step", "cache"))
+def _ask_step(graphdef, state, tok, pos, step, cache, attn_state, key, temperature, top_p, *, attn_fn,
+              greedy: bool, use_top_p: bool):
+    """One decode step of `FixedContext.ask` with its inputs carried on the device.
+
+    tok, pos int32 [1, 1], step int32 [1] and the cache are donated and come back (before any
+    other output of their shape) as the next step's, so every step runs on the same buffers
+    (XLA then replays the step's command buffer rather than re-recording it, as in
+    `models.generate`).  The sampled id uses the key folded with ``step``, as `_sample` does.
+    -> (tok', pos + 1, step + 1, cache, captures, sampled id int32 [1] for the host).
+    """
+    from models.forward import forward
+    from models.generate import sample_logits
+
+    logits, cache, caps = forward(graphdef, state, tok, pos, cache, attn_fn=attn_fn, attn_state=attn_state,
+                                  capture_last=1, logits="last")
+    lg = logits[0, -1]
+    if greedy:
+        nxt = jnp.argmax(lg).astype(jnp.int32)
+    else:
+        nxt = sample_logits(lg[None], jax.random.fold_in(key, step[0]), temperature, top_p,
+                            greedy=False, use_top_p=use_top_p)[0].astype(jnp.int32)
+    return nxt.reshape(1, 1), pos + 1, step + 1, cache, caps, nxt.reshape(1)
 
 
 def _sample(logits, key, temperature: float, top_p: float):

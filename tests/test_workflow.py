@@ -81,10 +81,39 @@ def test_decode_step_compiles_once(model):
 
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
     ctx.ask("Which aisle holds the lamps?", max_new_tokens=3, stop_ids=())
-    before = forward_jit._cache_size()
+    before, before_step = forward_jit._cache_size(), fc._ask_step._cache_size()
     ans = ctx.ask("Which aisle holds a rug?", max_new_tokens=12, stop_ids=())
     assert len(ans.token_ids) == 12
-    assert forward_jit._cache_size() == before  # same bucket: no new compilation for prefill or decode
+    # same bucket: no new compilation for prefill or decode
+    assert forward_jit._cache_size() == before and fc._ask_step._cache_size() == before_step
+
+
+def _ask_reference(ctx, question, n, temperature=0.0, top_p=1.0, seed=0):
+    """`ask`'s tokens by the plain loop (a fresh position array and an eager sample every step)."""
+    q_ids = ctx._question_ids(question)
+    padded_len = -(-len(q_ids) // fc._BUCKET) * fc._BUCKET
+    padded = np.concatenate([np.full(padded_len - len(q_ids), -1, np.int32), q_ids])
+    key = jax.random.key(seed)
+    cache = ctx._new_cache(padded_len + n)
+    logits, cache, _ = ctx._run(padded, ctx.n_tokens, cache, capture=None)
+    out = [int(fc._sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))]
+    pos = ctx.n_tokens + len(q_ids)
+    for step in range(1, n):
+        logits, cache, _ = ctx._forward(jnp.full((1, 1), out[-1], jnp.int32), jnp.full((1, 1), pos, jnp.int32),
+                                        cache, capture=1)
+        out.append(int(fc._sample(logits[0, -1], jax.random.fold_in(key, step), temperature, top_p)))
+        pos += 1
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
+def test_ask_carried_step_matches_the_plain_loop(model, temperature, top_p):
+    """`ask` carries token, position and step on the device (donated every step); its tokens equal
+    the plain loop's, greedy and sampled (the step folded into the key the same way)."""
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
+    q = "Which aisle holds the lamps?"
+    ans = ctx.ask(q, max_new_tokens=7, temperature=temperature, top_p=top_p, seed=3, stop_ids=())
+    assert ans.token_ids == _ask_reference(ctx, q, 7, temperature, top_p, seed=3)
 
 
 @pytest.mark.parametrize("method", [Squeezed(sparsity=0.8, n_sink=1), HierarchicalSqueezed(sparsity=0.8),
@@ -282,3 +311,20 @@ def test_quest_and_saap_selections_carry_kernel_payloads(rng):
         else:
             assert isinstance(sel.retrieval, Buckets) and sel.retrieval.bucket_idx.shape == (2, 3)
         assert ref.retrieval is None
+
+
+def test_ask_step_returns_its_inputs_in_their_buffers(model):
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
+    cache = ctx._new_cache(32)
+    _, cache, _ = ctx._run(np.arange(5, 21, dtype=np.int32), ctx.n_tokens, cache, capture=None)
+    tok = jnp.full((1, 1), 9, jnp.int32)
+    pos = jnp.full((1, 1), ctx.n_tokens + 16, jnp.int32)
+    step = jnp.ones((1,), jnp.int32)
+    for i in range(2):
+        ptrs = [x.unsafe_buffer_pointer() for x in (tok, pos, step)]
+        tok, pos, step, cache, caps, nxt = fc._ask_step(
+            model.graphdef, model.state, tok, pos, step, cache, ctx._state, jax.random.key(0), jnp.float32(1e-6),
+            jnp.float32(1.0), attn_fn=ctx._hook, greedy=True, use_top_p=False)
+        assert [x.unsafe_buffer_pointer() for x in (tok, pos, step)] == ptrs
+        assert int(pos[0, 0]) == ctx.n_tokens + 17 + i and int(step[0]) == 2 + i
+        assert int(tok[0, 0]) == int(nxt[0]) and len(caps) == model.config.num_layers
