@@ -114,3 +114,16 @@ def test_ask_errors(capsys, model_dir, doc_file, tmp_path):
     assert code != 0 and "corrupted or truncated" in _error_line(err)
     code, _, err = _run(capsys, "ask", str(tmp_path / "none.sqx"), "hi", "--model", model_dir)
     assert code != 0 and "not found" in _error_line(err)
+
+
+def test_demo_document_is_the_same_text_in_every_process():
+    """pydoc writes object addresses (0x7f...) that change from process to process; the demo's
+    document writes them as 0x0, so every run indexes the same text."""
+    code = "from sqjax.cli import demo_document; import hashlib; print(hashlib.sha1(demo_document().encode()).hexdigest())"
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+               for _ in range(2)}
+    assert len(digests) == 1
+    from sqjax.cli import demo_document
+    import re
+    doc = demo_document()
+    assert "json" in doc and len(doc) > 10000 and not re.search(r"0x[0-9a-fA-F]*[1-9a-fA-F]", doc)
