@@ -111,9 +111,10 @@ def _decode_step_carried(
 
     token, done, position [B] and step [1] are donated and come back (in that order, before any
     other output of their shape) as the next step's: the masked next ids, done, position + 1 and
-    step + 1 (a [1] array: a donated 0-d step did not come back in its buffer on CPU). Every step then runs on the same buffer addresses, and XLA replays its command
-    buffer instead of re-recording it: on an 8B-shaped model the host time per step fell from
-    4.6-7.8 to 1.0-1.1 ms (benchmarks/results/gpu_h200_e2e_stable/).
+    step + 1 (a [1] array: a donated 0-d step did not come back in its buffer on CPU). Every step
+    then runs on the same buffer addresses. Carrying token and position so took an 8B-shaped
+    model's host time per step from 4.6-7.8 to 1.0-1.1 ms in the speed suite's e2e section, and
+    this loop from 5.79-8.13 to 5.56-5.72 ms per token (benchmarks/results/gpu_h200_e2e_stable/).
     -> (token', done', position', step', cache, sampled ids [B] for the host).
     """
     nxt, _, cache = decode_step(

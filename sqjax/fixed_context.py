@@ -541,27 +541,21 @@ def _ask_step(graphdef, state, tok, pos, step, cache, attn_state, key, temperatu
     -> (tok', pos + 1, step + 1, cache, captures, sampled id int32 [1] for the host).
     """
     from models.forward import forward
+    from models.generate import sample_logits
 
     logits, cache, caps = forward(graphdef, state, tok, pos, cache, attn_fn=attn_fn, attn_state=attn_state,
                                   capture_last=1, logits="last")
-    nxt = _pick(logits[0, -1], jax.random.fold_in(key, step[0]), temperature, top_p, greedy=greedy,
-                use_top_p=use_top_p)
-    return nxt.reshape(1, 1), pos + 1, step + 1, cache, caps, nxt.reshape(1)
-
-
-def _pick(logits, key, temperature, top_p, *, greedy: bool, use_top_p: bool):
-    """logits [V] -> int32 []: the argmax, or a sample at ``temperature`` within the ``top_p`` nucleus."""
-    from models.generate import sample_logits
-
-    if greedy:
-        return jnp.argmax(logits).astype(jnp.int32)
-    return sample_logits(logits[None], key, temperature, top_p, greedy=False, use_top_p=use_top_p)[0].astype(jnp.int32)
+    nxt = sample_logits(logits[0, -1:], jax.random.fold_in(key, step[0]), temperature, top_p, greedy=greedy,
+                        use_top_p=use_top_p)                                      # int32 [1]
+    return nxt.reshape(1, 1), pos + 1, step + 1, cache, caps, nxt
 
 
 def _sample(logits, key, temperature: float, top_p: float):
-    """`_pick` with host floats (the first token after a prefill)."""
-    return _pick(logits, key, jnp.float32(temperature), jnp.float32(top_p), greedy=temperature == 0.0,
-                 use_top_p=top_p < 1.0)
+    """logits [V] -> int32 [] with host floats (the first token after a prefill)."""
+    from models.generate import sample_logits
+
+    return sample_logits(logits[None], key, jnp.float32(temperature), jnp.float32(top_p),
+                         greedy=temperature == 0.0, use_top_p=top_p < 1.0)[0]
 
 
 def _jsonable(x):
