@@ -156,15 +156,21 @@ def _median_ms_per_call(prog: Callable, args: tuple, n_calls: int, reps: int) ->
     return statistics.median(samples) * 1e3
 
 
-def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls: int = 8, reps: int = 7) -> float:
+def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls: int = 8, reps: int = 7,
+                     fold: str = "sum") -> float:
     """Device time (ms) per call: `n_calls` calls ``fn(q, *fixed)`` unrolled in ONE jitted program.
 
-    As a model step runs its layers: a straight-line program that XLA can capture whole in one
-    command buffer (a CUDA graph), with no loop between calls (measured on an H200: no faster
-    than `time_ms_looped`). Call i takes query i (cycled) plus a vanishing multiple of the
-    previous calls' output sum, so calls run in order and no two are the same computation.
-    Big arrays belong in `fixed`. Median over `reps` after a warm-up call.
+    As a model step runs its layers (`models.forward` loops over them in Python): a straight-line
+    program that XLA can capture whole in one command buffer (a CUDA graph), with no loop between
+    calls. Call i takes query i (cycled) plus a vanishing multiple of what the calls before it
+    returned, so calls run in order and no two are the same computation. fold: ``"sum"`` carries
+    the scalar sum of fn's first output; ``"add"`` carries the output itself, added elementwise
+    into the next query (it must have the query's size), so a head-sharded output feeds a
+    head-sharded query with no collective (as `time_ms_looped`'s ``"add"``). Big arrays belong in
+    `fixed`. Median over `reps` after a warm-up call.
     """
+    if fold not in ("sum", "add"):
+        raise ValueError(f"fold must be 'sum' or 'add', got {fold!r}")
     qs = list(queries)
     f32 = jax.numpy.float32
 
@@ -173,8 +179,15 @@ def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls:
         acc = jax.numpy.zeros((), f32)
         for i in range(n_calls):
             q = qs[i % len(qs)]
-            q = q + (acc * 1e-30).astype(q.dtype)
-            acc = acc + jax.numpy.sum(jax.tree.leaves(fn(q, *fixed))[0].astype(f32))
+            if fold == "sum" or i == 0:
+                q = q + (acc * 1e-30).astype(q.dtype)
+            else:
+                q = q + (acc.reshape(q.shape) * 1e-30).astype(q.dtype)
+            out = jax.tree.leaves(fn(q, *fixed))[0].astype(f32)
+            if fold == "add" and out.size != q.size:
+                raise ValueError(f"fold='add' feeds the output {out.shape} back into the query {q.shape}: "
+                                 "they need the same size")
+            acc = acc + (jax.numpy.sum(out) if fold == "sum" else out)
         return acc
 
     return _median_ms_per_call(prog, (qs, fixed), n_calls, reps)

@@ -75,7 +75,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from benchmarks._meta import time_ms, time_ms_looped  # noqa: E402
+from benchmarks._meta import time_ms, time_ms_looped, time_ms_unrolled  # noqa: E402
 from benchmarks._profile import trace_calls  # noqa: E402
 from sqjax import sharding as sh  # noqa: E402
 from sqjax import squeezed  # noqa: E402
@@ -102,6 +102,7 @@ class Plan:
   reps: int = 7
   inner: int = 20
   loop_iters: int = 30
+  unroll_calls: int = 16       # decode calls written out in one program, as a model step runs its layers
   n_sets: int = 3
   e2e: bool = True
   e2e_layers: int = 32
@@ -126,7 +127,7 @@ class Plan:
 def make_plan(args) -> Plan:
   if args.cpu_smoke:
     plan = Plan(smoke=True, backend="interpret", length=4096, hq=4, hkv=2, d=32, n_new=16, reps=2, inner=2,
-                n_sets=2, loop_iters=2, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256, e2e_tokens=3, e2e_runs=2,
+                n_sets=2, loop_iters=2, unroll_calls=2, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256, e2e_tokens=3, e2e_runs=2,
                 e2e_calib_tokens=2, budget_s=600.0)
   else:
     plan = Plan(smoke=False, backend="pallas")
@@ -264,7 +265,8 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
   c2 = clusters_per_device(plan, n2)
   base = {"length": L, "hq": hq, "hkv": hkv, "d": d, "dtype": "bfloat16", "n_new": plan.n_new,
           "sparsity": plan.sparsity, "centroid_fraction": plan.centroid_frac, "n_obs": plan.n_obs}
-  info: dict = {"name": "decode", **base, "clusters_per_device": c2, "loop_iters": plan.loop_iters, "errors": []}
+  info: dict = {"name": "decode", **base, "clusters_per_device": c2, "loop_iters": plan.loop_iters,
+                "unroll_calls": plan.unroll_calls, "errors": []}
   cases.append(info)
 
   t0 = time.perf_counter()
@@ -415,8 +417,12 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       for fold, key in (("add", "_loop_ms"), ("sum", "_loop_sum_ms")):
         info[f"{name}{key}"] = round(time_ms_looped(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
                                                     n_iter=plan.loop_iters, reps=plan.reps, fold=fold), 4)
-      if plan.diagnose and name in ("2gpu/clustered", "2gpu_heads/clustered", "2gpu_heads/clustered_rsf",
-                                    "1gpu_clustered", "1gpu_clustered_rsf", "diag/2gpu/clustered_local"):
+      # the same calls written out in one program (no loop between them), as `models.forward` runs
+      # a decode step's layers; each output is added into the next call's query ("add": no collective)
+      info[f"{name}_unrolled_ms"] = round(time_ms_unrolled(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
+                                                           n_calls=plan.unroll_calls, reps=plan.reps, fold="add"), 4)
+      if name in ("2gpu_heads/clustered", "1gpu_clustered") or plan.diagnose and name in (
+          "2gpu/clustered", "2gpu_heads/clustered_rsf", "1gpu_clustered_rsf", "diag/2gpu/clustered_local"):
         info[f"{name}_trace"] = trace_calls(call, sets, n=10)   # benchmarks._profile
         for plane, act in info[f"{name}_trace"].items():
           print(f"[trace] {name} {plane}: busy {act['busy_ms_per_call']:.4f} ms/call, "
@@ -441,7 +447,8 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
         info[f"{name}_rel_err"] = rel_err(r[0] if isinstance(r, tuple) else r, o1[:, 0])
     tol = 2e-2 if not plan.smoke else 1e-2
     info["same_answers"] = all(info.get(f"{n}_rel_err", 0.0) <= tol for n in TWO_GPU)
-  for suffix, tag in (("_ms", ""), ("_loop_ms", "_loop"), ("_loop_sum_ms", "_loop_sum")):   # per call, device loops
+  for suffix, tag in (("_ms", ""), ("_loop_ms", "_loop"), ("_loop_sum_ms", "_loop_sum"),
+                      ("_unrolled_ms", "_unrolled")):   # per call, device loops, unrolled
     one = [k for k in ONE_GPU if f"{k}{suffix}" in info]
     two = [k for k in TWO_GPU if f"{k}{suffix}" in info]
     if one and two:
@@ -452,7 +459,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       info[f"ratio{tag}"] = round(info[f"{b2}{suffix}"] / info[f"{b1}{suffix}"], 4)
       info[f"target_met{tag}"] = info[f"ratio{tag}"] <= 0.6
   for tag, name in (("ctx", "2gpu/clustered"), ("heads", "2gpu_heads/clustered")):   # each parallelism alone
-    for loop in ("loop", "loop_sum"):
+    for loop in ("loop", "loop_sum", "unrolled"):
       if f"{name}_{loop}_ms" in info and info.get(f"best_1gpu_{loop}_ms"):
         info[f"ratio_{loop}_{tag}"] = round(info[f"{name}_{loop}_ms"] / info[f"best_1gpu_{loop}_ms"], 4)
   if "2gpu/score_ms" in info and "1gpu_lib_ms" in info:
@@ -613,16 +620,16 @@ def markdown(out: dict) -> str:
                 f"L = {c['length']}, Hq/Hkv/d = {c['hq']}/{c['hkv']}/{c['d']} bf16, user input {c['n_new']} tokens, "
                 f"sparsity {c['sparsity']} (kept {c.get('calibrated_kept_fraction', float('nan')):.3f} of clustered "
                 f"keys on the timed queries), {c['clusters_per_device']} clusters/device/head", "",
-                "| pipeline | ms per call | ms in a device loop | same, loop summing each output | rel err vs 1gpu_lib "
-                "| max count diff | overflow |",
-                "|---|---|---|---|---|---|---|"]
+                "| pipeline | ms per call | ms in a device loop | same, loop summing each output | ms unrolled "
+                "| rel err vs 1gpu_lib | max count diff | overflow |",
+                "|---|---|---|---|---|---|---|---|"]
       diag = tuple(k[:-3] for k in c if k.startswith("diag/") and k.endswith("_ms")
-                   and not k.endswith(("_loop_ms", "_loop_sum_ms")))
+                   and not k.endswith(("_loop_ms", "_loop_sum_ms", "_unrolled_ms")))
       for name in ONE_GPU + TWO_GPU + diag:
         ms = c.get(f"{name}_ms")
         err = c.get(f"{name}_rel_err")
         lines.append(f"| {name} | {ms if ms is not None else '—'} | {c.get(f'{name}_loop_ms', '—')} | "
-                     f"{c.get(f'{name}_loop_sum_ms', '—')} | "
+                     f"{c.get(f'{name}_loop_sum_ms', '—')} | {c.get(f'{name}_unrolled_ms', '—')} | "
                      f"{'—' if err is None else f'{err:.2e}'} | {c.get(f'{name}_count_diff', '—')} | "
                      f"{c.get(f'{name}_overflow', c.get('overflow_1gpu', '—') if name == '1gpu_lib' else '—')} |")
       lines += ["", f"**ratio 2 GPU / 1 GPU, per call (best of each: {c.get('best_2gpu', '—')} / "
@@ -635,12 +642,19 @@ def markdown(out: dict) -> str:
                 f"ratio in the loop summing each output ({c.get('best_2gpu_loop_sum', '—')} / "
                 f"{c.get('best_1gpu_loop_sum', '—')}) = {c.get('ratio_loop_sum', '—')}; context-parallel "
                 f"{c.get('ratio_loop_sum_ctx', '—')}, KV-head-parallel {c.get('ratio_loop_sum_heads', '—')}",
+                f"**ratio unrolled ({c.get('best_2gpu_unrolled', '—')} / {c.get('best_1gpu_unrolled', '—')}) = "
+                f"{c.get('ratio_unrolled', '—')}** (target ≤ 0.6: "
+                f"{'met' if c.get('target_met_unrolled') else 'NOT met'}); context-parallel "
+                f"{c.get('ratio_unrolled_ctx', '—')}, KV-head-parallel {c.get('ratio_unrolled_heads', '—')}",
                 "", f"Per call = back-to-back jitted calls (host dispatch included: a 2-device program costs the "
                     f"host more to launch); device loop = {c.get('loop_iters', '—')} calls inside one jitted loop, "
                     "as a model's decode step runs its layers, each call's output added into a carried array of "
                     "its own sharding (no collective the pipeline does not make itself). The loop summing each "
                     "output (how runs before 2026-11-22 looped) all-reduces a head-sharded output every call, "
-                    "which the 1-GPU loop does not pay.", ""]
+                    "which the 1-GPU loop does not pay. Unrolled = "
+                    f"{c.get('unroll_calls', '—')} calls written out in one program with no loop between them, "
+                    "as `models.forward` runs a decode step's layers (a Python loop over the layers), each "
+                    "output added into the next call's query (same sharding, no collective).", ""]
       for key in sorted(k for k in c if k.endswith("_trace")):
         for plane, act in c[key].items():
           lines.append(f"- trace {key[:-6]} on {plane}: kernel busy {act['busy_ms_per_call']:.4f} ms/call; "

@@ -879,15 +879,18 @@ def clustered_decode_partial(
     reduce_stats=None,
     backend: str = "auto",
     config: ClusteredConfig | None = None,
+    out_dtype=jnp.float32,
 ):
   """``clustered_decode_attention`` over one slice of a larger fixed context.
 
   ``reduce_stats(M, D) -> (M, D)`` ([Hkv, g] f32 each, traced inside the caller's
   ``shard_map``) turns this slice's Eq. 1 softmax max and denominator into the
   global ones, so that ``S_c`` and the threshold mean what they mean on one
-  device.  Returns ``(o [Hq, d] f32, lse [Hq] f32)``: attention normalised over the
+  device.  Returns ``(o [Hq, d] out_dtype, lse [Hq] f32)``: attention normalised over the
   keys this call attended (lse = -inf if none), ready for a log-sum-exp merge
-  across slices.  Not jitted: call it inside ``jit``/``shard_map``.
+  across slices (keep ``out_dtype`` f32 for that; a call that holds whole heads may
+  ask for q's dtype, which the merge kernel then writes directly: no convert launch).
+  Not jitted: call it inside ``jit``/``shard_map``.
   """
   _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
             kv_pos_new, 2, vote)
@@ -897,12 +900,12 @@ def clustered_decode_partial(
     o, lse, _, _ = _reference(q[:, None], k_sorted, v_sorted, centroids, offsets, threshold,
                               k_new, v_new, q_pos, kv_pos_new, scale=scale, vote=vote,
                               reduce_stats=reduce_stats)
-    return o[:, 0], lse[:, 0]
+    return o[:, 0].astype(out_dtype), lse[:, 0]
   _check_vote_q_group(q, k_sorted, vote)
   o, lse, _, _ = _decode_pallas(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new,
                                 v_new, q_pos, kv_pos_new, scale=scale, vote=vote,
                                 return_stats=False, reduce_stats=reduce_stats,
-                                cfg=config or ClusteredConfig(), backend=be)
+                                cfg=config or ClusteredConfig(), backend=be, out_dtype=out_dtype)
   return o, lse
 
 

@@ -892,11 +892,14 @@ def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh
     across = n_ctx > 1
 
     def body(cl, t, q, k_new, v_new, q_pos, kv_pos):
-        last = jax.lax.axis_index(CTX) == n_ctx - 1
+        if across:  # the user input is attended on the last context shard only
+            kv_pos = jnp.where(jax.lax.axis_index(CTX) == n_ctx - 1, kv_pos, -1)
         o, lse = clustered_decode_partial(
             q, cl.k_sorted, cl.v_sorted, cl.centroids, cl.offsets, t, k_new, v_new, q_pos,
-            jnp.where(last, kv_pos, -1), scale=scale, vote=vote,
-            reduce_stats=_global_stats if _parts == "all" and across else None, backend=backend, config=config)
+            kv_pos, scale=scale, vote=vote,
+            reduce_stats=_global_stats if _parts == "all" and across else None, backend=backend, config=config,
+            # whole heads per device: the merge kernel writes q's dtype (no separate convert)
+            out_dtype=jnp.float32 if across else q.dtype)
         if _parts != "local" and across:
             o, lse = _merge_ctx(o[:, None], lse[:, None])
             o, lse = o[:, 0], lse[:, 0]

@@ -166,7 +166,8 @@ def test_retrieve_matches_numpy(rng, vote):
     perm, offsets = cluster_layout(jnp.asarray(labels), c)
     selected = rng.random((hs, c)) < 0.4
     scores = rng.random((hs, c)).astype(np.float32)
-    for capacity in (n_tail + lc, n_tail + 40, n_tail):
+    # no cut possible (never sorted), a cut possible but not needed (cond: unsorted), cuts (sorted)
+    for capacity in (n_tail + lc, n_tail + lc - 1, n_tail + 40, n_tail):
         ret = retrieve(jnp.asarray(selected), jnp.asarray(scores), jnp.asarray(counts), perm, offsets, n_tail, capacity)
         for s in range(hs):
             kv = s * hkv // hs

@@ -355,6 +355,12 @@ def test_partial_over_two_slices_equals_one_layout(rng, vote, backend):
   o1, lse1 = clustered_decode_partial(*args_of(x1, thr), scale=scale, vote=vote, backend=backend, config=SMALL)
   assert rel(o1, clustered_decode_attention_reference(*args_of(x1, thr), scale=scale, vote=vote)) < 2e-5
   assert np.isfinite(np.asarray(lse1)).all()
+  # a call holding whole heads asks for its output dtype: the merge writes it, same numbers rounded
+  o16, lse16 = clustered_decode_partial(*args_of(x1, thr), scale=scale, vote=vote, backend=backend, config=SMALL,
+                                        out_dtype=jnp.bfloat16)
+  assert o16.dtype == jnp.bfloat16 and lse16.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(o16), np.asarray(o1.astype(jnp.bfloat16)))
+  np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse1))
 
 
 @pytest.mark.parametrize("vote,seq_len", [("kv", 1), ("q", 1), ("kv", 5), ("q", 4)])

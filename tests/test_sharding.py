@@ -106,8 +106,10 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
     assert "constants were captured" not in r.stderr
     for name in ("2gpu/clustered", "2gpu_heads/clustered", "1gpu_clustered", "1gpu_lib"):
         assert dec[f"{name}_loop_ms"] > 0 and dec[f"{name}_loop_sum_ms"] > 0
+        assert dec[f"{name}_unrolled_ms"] > 0
     assert dec["ratio_loop"] > 0 and dec["ratio_loop_sum"] > 0 and dec["ratio_loop_sum_heads"] > 0
-    assert "loop summing each output" in md
+    assert dec["ratio_unrolled"] > 0 and dec["ratio_unrolled_heads"] > 0 and dec["unroll_calls"] == 2
+    assert "loop summing each output" in md and "ratio unrolled" in md
 
 
 def test_gpu_benchmark_without_gpu_is_a_clear_error(tmp_path, capsys):
