@@ -101,7 +101,9 @@ class Plan:
   n_obs: int = 100
   reps: int = 7
   inner: int = 20
-  loop_iters: int = 30
+  # calls per device loop: 300, so that the program's dispatch and final sync (paid once, more for a
+  # 2-device program) weigh < 1 us per call (with 30 they weighed 2-10 us, against the 2-GPU side)
+  loop_iters: int = 300
   unroll_calls: int = 16       # decode calls written out in one program, as a model step runs its layers
   n_sets: int = 3
   e2e: bool = True
@@ -420,7 +422,8 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       # the same calls written out in one program (no loop between them), as `models.forward` runs
       # a decode step's layers; each output is added into the next call's query ("add": no collective)
       info[f"{name}_unrolled_ms"] = round(time_ms_unrolled(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
-                                                           n_calls=plan.unroll_calls, reps=plan.reps, fold="add"), 4)
+                                                           n_calls=plan.unroll_calls, reps=plan.reps, fold="add",
+                                                           steady=True), 4)
       if name in ("2gpu_heads/clustered", "1gpu_clustered") or plan.diagnose and name in (
           "2gpu/clustered", "2gpu_heads/clustered_rsf", "1gpu_clustered_rsf", "diag/2gpu/clustered_local"):
         info[f"{name}_trace"] = trace_calls(call, sets, n=10)   # benchmarks._profile
@@ -651,7 +654,7 @@ def markdown(out: dict) -> str:
                     "as a model's decode step runs its layers, each call's output added into a carried array of "
                     "its own sharding (no collective the pipeline does not make itself). The loop summing each "
                     "output (how runs before 2026-11-22 looped) all-reduces a head-sharded output every call, "
-                    "which the 1-GPU loop does not pay. Unrolled = "
+                    "which the 1-GPU loop does not pay. Unrolled = (T(2n) - T(n)) / n for n = "
                     f"{c.get('unroll_calls', '—')} calls written out in one program with no loop between them, "
                     "as `models.forward` runs a decode step's layers (a Python loop over the layers), each "
                     "output added into the next call's query (same sharding, no collective).", ""]

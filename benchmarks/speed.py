@@ -68,7 +68,10 @@ class Plan:
     e2e_vocab: int = 128256
     e2e_steps: int = 16
     reps: int = 10
-    loop_iters: int = 30       # decode calls per device loop (time_ms_looped)
+    # decode calls per device loop (time_ms_looped): 300, so that the program's own dispatch and final
+    # sync (0.05-0.3 ms, paid once) weigh < 1 us per call; with 30 they added up to ~3-7% to a 0.05-0.1 ms
+    # sparse decode and ~1% to dense, a bias against the faster side
+    loop_iters: int = 300
     unroll_calls: int = 16     # decode calls unrolled in one program (time_ms_unrolled)
     prefill_loop_iters: int = 4  # prefill calls per device loop
     deadline_s: float = 520.0
@@ -287,7 +290,7 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
         if best_dense_loop:
             row["speedup_vs_best_dense_loop"] = best_dense_loop / row["total_loop_ms"]
         if t == 1:
-            row["total_unrolled_ms"] = time_ms_unrolled(timed, qs, fixed=fixed, n_calls=plan.unroll_calls,
+            row["total_unrolled_ms"] = time_ms_unrolled(timed, qs, fixed=fixed, n_calls=plan.unroll_calls, steady=True,
                                                         reps=plan.reps)
             if best_dense_unrolled:
                 row["speedup_vs_best_dense_unrolled"] = best_dense_unrolled / row["total_unrolled_ms"]
@@ -402,7 +405,8 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
                     if tr:
                         times[name] = tr["busy_ms_per_call"]
                 elif mode == "unrolled":
-                    times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
+                    times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps,
+                                                    steady=True)
                 elif mode == "loop":
                     times[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=_loop_iters(plan, t), reps=plan.reps)
                 elif mode == "steady":
@@ -873,8 +877,9 @@ def to_markdown(res: dict) -> str:
         p = res.get("plan", {})
         md += [f"## Decode, device time per call (same run, same inputs, dense timed the same ways)", "",
                f"Loop = {p.get('loop_iters', 30)} calls in one jitted `fori_loop` (host dispatch paid once; the loop "
-               f"body's kernels are launched iteration by iteration). Unrolled = {p.get('unroll_calls', 16)} calls "
-               "written out in one jitted program, which XLA can capture whole in a command buffer (a CUDA graph; "
+               f"body's kernels are launched iteration by iteration). Unrolled = (T(2n) - T(n)) / n for n = "
+               f"{p.get('unroll_calls', 16)} calls written out in one jitted program (what each further call adds; "
+               "runs before 2026-11-23 reported T(n) / n, which carries the program's dispatch and sync), which XLA can capture whole in a command buffer (a CUDA graph; "
                "the end-to-end trace shows the model step captured so), as a model step runs its layers; each call's query depends on the previous output, so they run in order and "
                "none is merged with another. Both reuse one layer's K/V call after call: at 128K part of the sparse "
                "working set (~75 MB) can stay in the 50 MB L2, which a model's next layer would not find there.", "",

@@ -194,21 +194,13 @@ def cluster_layout(labels: jax.Array, n_clusters: int) -> tuple[jax.Array, jax.A
     return perm, offsets
 
 
-def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_clustered: int, capacity: int, n_sink: int,
-                  ordered: bool = True):
-    """One selection head.  selected/scores/counts [C], perm [Lc], offsets [C+1].
-
-    ordered: walk the selected clusters by decreasing score (what the capacity cut needs); False
-    walks them in cluster order, the same key set whenever they all fit (no sort)."""
+def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_clustered: int, capacity: int, n_sink: int):
+    """One selection head.  selected/scores/counts [C], perm [Lc], offsets [C+1]."""
     budget = capacity - n_tail - n_sink
-    if ordered:
-        order = jnp.argsort(-jnp.where(selected, scores, -jnp.inf), stable=True)
-        sel_sorted = selected[order]
-        n_sorted = jnp.where(sel_sorted, counts[order], 0).astype(jnp.int32)
-    else:
-        order = jnp.arange(selected.shape[0], dtype=jnp.int32)
-        sel_sorted = selected
-        n_sorted = jnp.where(selected, counts, 0).astype(jnp.int32)
+    key = jnp.where(selected, scores, -jnp.inf)
+    order = jnp.argsort(-key, stable=True)
+    sel_sorted = selected[order]
+    n_sorted = jnp.where(sel_sorted, counts[order], 0).astype(jnp.int32)
     cum = jnp.cumsum(n_sorted)
     keep = sel_sorted & (cum <= budget)
     overflow = jnp.any(sel_sorted & ~keep)
@@ -246,22 +238,11 @@ def retrieve(
     if capacity < n_tail + n_sink:
         raise ValueError(f"capacity ({capacity}) must hold at least the exact sink + tail ({n_sink} + {n_tail})")
     capacity = min(capacity, n_sink + n_tail + n_clustered)
-    counts_h = per_selection_head(counts, hs)
-    args = (selected, scores, counts_h, per_selection_head(perm, hs), per_selection_head(offsets, hs))
-
-    def run(ordered: bool):
-        f = lambda s, sc, cn, p, o: _retrieve_one(s, sc, cn, p, o, n_tail, n_clustered, capacity, n_sink,  # noqa: E731
-                                                  ordered)
-        return jax.vmap(f)(*args)
-
-    budget = capacity - n_tail - n_sink
-    if budget >= n_clustered:  # every cluster fits: never sorted
-        idx, count, overflow = run(False)
-    else:
-        # the score sort (a sort of every head's C clusters) runs only when some head's selection
-        # does not fit: the cut then keeps the best-scoring clusters
-        wanted = jnp.sum(jnp.where(selected, counts_h, 0), axis=-1)
-        idx, count, overflow = jax.lax.cond(jnp.any(wanted > budget), lambda: run(True), lambda: run(False))
+    f = lambda s, sc, cn, p, o: _retrieve_one(s, sc, cn, p, o, n_tail, n_clustered, capacity, n_sink)  # noqa: E731
+    idx, count, overflow = jax.vmap(f)(
+        selected, scores,
+        per_selection_head(counts, hs), per_selection_head(perm, hs), per_selection_head(offsets, hs),
+    )
     return Retrieval(idx, count, overflow)
 
 
