@@ -157,7 +157,7 @@ def _median_ms_per_call(prog: Callable, args: tuple, n_calls: int, reps: int) ->
 
 
 def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls: int = 8, reps: int = 7,
-                     fold: str = "sum", steady: bool = False) -> float:
+                     fold: str = "sum") -> float:
     """Device time (ms) per call: `n_calls` calls ``fn(q, *fixed)`` unrolled in ONE jitted program.
 
     As a model step runs its layers (`models.forward` loops over them in Python): a straight-line
@@ -167,16 +167,14 @@ def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls:
     the scalar sum of fn's first output; ``"add"`` carries the output itself, added elementwise
     into the next query (it must have the query's size), so a head-sharded output feeds a
     head-sharded query with no collective (as `time_ms_looped`'s ``"add"``). Big arrays belong in
-    `fixed`. Median over `reps` after a warm-up call. steady: (T(2 n_calls) - T(n_calls)) / n_calls,
-    what each further call adds: the program's dispatch and final sync, paid once per program, drop
-    out (with 16 calls of ~0.1 ms they weigh several us per call, more for a multi-device program).
+    `fixed`. Median over `reps` after a warm-up call. The program's dispatch and final sync are paid
+    once per `n_calls` calls: with 16 calls of ~0.1 ms they weigh several us per call, more for a
+    multi-device program (`time_ms_looped` with a few hundred calls amortises them; a difference
+    T(2n) - T(n) of two such programs was tried on an H200 and was noise-dominated: below the kernel
+    busy time for 3 of the 12 paths timed, benchmarks/results/gpu_h200_decode_stages/loop300_6e7eea1).
     """
     if fold not in ("sum", "add"):
         raise ValueError(f"fold must be 'sum' or 'add', got {fold!r}")
-    if steady:
-        one = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=n_calls, reps=reps, fold=fold) * n_calls
-        two = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=2 * n_calls, reps=reps, fold=fold) * 2 * n_calls
-        return (two - one) / n_calls
     qs = list(queries)
     f32 = jax.numpy.float32
 

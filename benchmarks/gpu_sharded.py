@@ -422,8 +422,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
       # the same calls written out in one program (no loop between them), as `models.forward` runs
       # a decode step's layers; each output is added into the next call's query ("add": no collective)
       info[f"{name}_unrolled_ms"] = round(time_ms_unrolled(f, [x[0] for x in sets], fixed=(*sets[0][1:], *big),
-                                                           n_calls=plan.unroll_calls, reps=plan.reps, fold="add",
-                                                           steady=True), 4)
+                                                           n_calls=plan.unroll_calls, reps=plan.reps, fold="add"), 4)
       if name in ("2gpu_heads/clustered", "1gpu_clustered") or plan.diagnose and name in (
           "2gpu/clustered", "2gpu_heads/clustered_rsf", "1gpu_clustered_rsf", "diag/2gpu/clustered_local"):
         info[f"{name}_trace"] = trace_calls(call, sets, n=10)   # benchmarks._profile
@@ -654,8 +653,9 @@ def markdown(out: dict) -> str:
                     "as a model's decode step runs its layers, each call's output added into a carried array of "
                     "its own sharding (no collective the pipeline does not make itself). The loop summing each "
                     "output (how runs before 2026-11-22 looped) all-reduces a head-sharded output every call, "
-                    "which the 1-GPU loop does not pay. Unrolled = (T(2n) - T(n)) / n for n = "
-                    f"{c.get('unroll_calls', '—')} calls written out in one program with no loop between them, "
+                    "which the 1-GPU loop does not pay. Unrolled = "
+                    f"{c.get('unroll_calls', '—')} calls written out in one program with no loop between them "
+                    "(its dispatch and sync, more for 2 devices, weigh 1/16 each), "
                     "as `models.forward` runs a decode step's layers (a Python loop over the layers), each "
                     "output added into the next call's query (same sharding, no collective).", ""]
       for key in sorted(k for k in c if k.endswith("_trace")):

@@ -290,7 +290,7 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
         if best_dense_loop:
             row["speedup_vs_best_dense_loop"] = best_dense_loop / row["total_loop_ms"]
         if t == 1:
-            row["total_unrolled_ms"] = time_ms_unrolled(timed, qs, fixed=fixed, n_calls=plan.unroll_calls, steady=True,
+            row["total_unrolled_ms"] = time_ms_unrolled(timed, qs, fixed=fixed, n_calls=plan.unroll_calls,
                                                         reps=plan.reps)
             if best_dense_unrolled:
                 row["speedup_vs_best_dense_unrolled"] = best_dense_unrolled / row["total_unrolled_ms"]
@@ -405,8 +405,7 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
                     if tr:
                         times[name] = tr["busy_ms_per_call"]
                 elif mode == "unrolled":
-                    times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps,
-                                                    steady=True)
+                    times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
                 elif mode == "loop":
                     times[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=_loop_iters(plan, t), reps=plan.reps)
                 elif mode == "steady":
@@ -877,9 +876,10 @@ def to_markdown(res: dict) -> str:
         p = res.get("plan", {})
         md += [f"## Decode, device time per call (same run, same inputs, dense timed the same ways)", "",
                f"Loop = {p.get('loop_iters', 30)} calls in one jitted `fori_loop` (host dispatch paid once; the loop "
-               f"body's kernels are launched iteration by iteration). Unrolled = (T(2n) - T(n)) / n for n = "
-               f"{p.get('unroll_calls', 16)} calls written out in one jitted program (what each further call adds; "
-               "runs before 2026-11-23 reported T(n) / n, which carries the program's dispatch and sync), which XLA can capture whole in a command buffer (a CUDA graph; "
+               f"body's kernels are launched iteration by iteration; runs before 2026-11-23 looped 30 calls, which "
+               "left the program's dispatch and sync weighing 2-10 us per call). Unrolled = "
+               f"{p.get('unroll_calls', 16)} calls written out in one jitted program (its dispatch and sync weigh "
+               "1/16 each), which XLA can capture whole in a command buffer (a CUDA graph; "
                "the end-to-end trace shows the model step captured so), as a model step runs its layers; each call's query depends on the previous output, so they run in order and "
                "none is merged with another. Both reuse one layer's K/V call after call: at 128K part of the sparse "
                "working set (~75 MB) can stay in the 50 MB L2, which a model's next layer would not find there.", "",

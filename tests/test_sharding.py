@@ -106,10 +106,9 @@ def test_gpu_benchmark_cpu_smoke(tmp_path):
     assert "constants were captured" not in r.stderr
     for name in ("2gpu/clustered", "2gpu_heads/clustered", "1gpu_clustered", "1gpu_lib"):
         assert dec[f"{name}_loop_ms"] > 0 and dec[f"{name}_loop_sum_ms"] > 0
-        # a difference of two timings (T(2n) - T(n)) / n: at CPU smoke sizes it is noise, of either sign
-        assert math.isfinite(dec[f"{name}_unrolled_ms"])
+        assert dec[f"{name}_unrolled_ms"] > 0
     assert dec["ratio_loop"] > 0 and dec["ratio_loop_sum"] > 0 and dec["ratio_loop_sum_heads"] > 0
-    assert math.isfinite(dec["ratio_unrolled_heads"]) and dec["unroll_calls"] == 2
+    assert dec["ratio_unrolled"] > 0 and dec["ratio_unrolled_heads"] > 0 and dec["unroll_calls"] == 2
     assert "loop summing each output" in md and "ratio unrolled" in md
 
 

@@ -3,7 +3,6 @@ method with their per-call and device-loop timings, dense baselines from the sam
 big array captured as a compile-time constant (the GPU run would embed gigabytes)."""
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,8 +30,7 @@ def test_speed_decode_rows_cpu_smoke(tmp_path):
         assert x["total_ms"] > 0 and x["total_loop_ms"] > 0 and 0 < x["retrieved_frac"] <= 1
         assert x["dense_ms"] and x["dense_loop_ms"]
         assert x["speedup_vs_best_dense_loop"] == min(x["dense_loop_ms"].values()) / x["total_loop_ms"]
-        # unrolled = (T(2n) - T(n)) / n: at CPU smoke sizes a difference of noise, of either sign
-        assert math.isfinite(x["total_unrolled_ms"]) and x["dense_unrolled_ms"]
+        assert x["total_unrolled_ms"] > 0 and x["dense_unrolled_ms"]
         assert x["speedup_vs_best_dense_unrolled"] == min(x["dense_unrolled_ms"].values()) / x["total_unrolled_ms"]
     md = (tmp_path / "speed.md").read_text()
     assert "device time per call" in md
