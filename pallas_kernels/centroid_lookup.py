@@ -121,15 +121,12 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # ----------------------------------------------------------------------------
 def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None):
   """Rows ``j`` of KV head ``kv``: (validity, counts, rows).  ``live`` [Bc] bool: the
-  rows that may be read at all (default ``j < num_c``); masked loads move no bytes.
-  The centroid rows are masked by ``live`` alone, not by the counts, so their load does
-  not wait for the counts' load; an empty cluster's row (any value, NaN included) is read
-  and its column masked by ``valid`` in the caller before any reduction."""
+  rows that may be read at all (default ``j < num_c``); masked loads move no bytes."""
   cv = j < num_c if live is None else live
   row = kv * num_c + j
   cnt = cm.gather_vec(n_ref, row, cv, other=0)                    # [Bc] int32
   valid = cv & (cnt > 0)
-  c = cm.gather_rows(c_ref, row, d, cv)                           # [Bc, d]
+  c = cm.gather_rows(c_ref, row, d, valid)                        # [Bc, d]
   return valid, cnt.astype(jnp.float32), c
 
 

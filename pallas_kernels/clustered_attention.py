@@ -259,9 +259,7 @@ def _score_kernel(q_ref,      # [Hq, dp]
     jv = j < p.num_c
     _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
     valid = jv & (cnt > 0)
-    # masked by bounds only: the load does not wait for the offsets (an empty cluster's row,
-    # whatever it holds, only reaches its own column of x, replaced by MASK below)
-    c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, jv)             # [Bc, dp]
+    c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)          # [Bc, dp]
     if exact_dot:
       x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
     else:
