@@ -73,7 +73,9 @@ class Plan:
     # sparse decode and ~1% to dense, a bias against the faster side
     loop_iters: int = 300
     unroll_calls: int = 16     # decode calls unrolled in one program (time_ms_unrolled)
-    prefill_loop_iters: int = 4  # prefill calls per device loop
+    # prefill calls per device loop: 16, so the program's first dispatch (0.8-1.3 ms for the hierarchical
+    # 4K prefill's ~60 kernels, ~0.1 ms for cuDNN's) and final sync weigh ~0.06 ms per call (with 4: ~0.25)
+    prefill_loop_iters: int = 16
     deadline_s: float = 520.0
     cpu: bool = False
     phases: tuple = ("decode", "prefill")
@@ -916,7 +918,8 @@ def to_markdown(res: dict) -> str:
         p = res.get("plan", {})
         md += ["## Prefill, device time per call (same run, same inputs, dense timed the same ways)", "",
                f"Loop = {p.get('prefill_loop_iters', 4)} calls in one jitted `fori_loop`, as a model's prefill runs "
-               "its layers in one program; per call = back-to-back jitted calls, each synced every 5 calls; "
+               "its layers in one program (runs before 2026-11-23 looped 4, where the program's first dispatch "
+               "still weighed ~0.25 ms per call); per call = back-to-back jitted calls, each synced every 5 calls; "
                "steady = (T(8 calls) - T(4 calls)) / 4, T ending in one sync: what each further call adds, "
                "without the first call's host dispatch and the final sync.", "",
                "| Hq/Hkv | L | phase | method | level / budget | kept | loop ms | cuDNN loop | speedup (loop) | "
