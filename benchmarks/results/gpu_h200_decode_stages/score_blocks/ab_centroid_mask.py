@@ -1,5 +1,9 @@
-"""A/B: centroid loads masked by counts (old) vs by bounds only (new), fused clustered decode + 1-level and
-hierarchical decode lookups; kernel busy (profiler) and a 300-call loop; alternating old/new twice."""
+"""A/B: centroid loads masked by counts (old) vs by bounds only (new) in the fused clustered decode;
+kernel busy (profiler) and a 300-call loop; old/new alternated twice.
+
+Run from the repository root at fb48686 with the old module beside it:
+  mkdir -p .scratch/ab && git show fb48686~1:pallas_kernels/clustered_attention.py > .scratch/ab/clat_old.py
+(only the fused decode is A/B'd: the lookup kernels' module is imported once, new)."""
 import functools, json, math, os, sys, time, importlib.util
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, ".")
