@@ -101,8 +101,9 @@ class Plan:
   n_obs: int = 100
   reps: int = 7
   inner: int = 20
-  # calls per device loop: 300, so that the program's dispatch and final sync (paid once, more for a
-  # 2-device program) weigh < 1 us per call (with 30 they weighed 2-10 us, against the 2-GPU side)
+  # calls per device loop: 300, so that the program's dispatch and final sync (paid once per loop) fall
+  # out; at 30 the same kernels came out 15-26 us (2 GPUs) and 10-22 us (1 GPU) slower per call on
+  # H200s (gpu_sharded_heads/unrolled_f7da70c vs loop300_6e7eea1)
   loop_iters: int = 300
   unroll_calls: int = 16       # decode calls written out in one program, as a model step runs its layers
   n_sets: int = 3

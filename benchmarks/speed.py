@@ -69,12 +69,13 @@ class Plan:
     e2e_steps: int = 16
     reps: int = 10
     # decode calls per device loop (time_ms_looped): 300, so that the program's own dispatch and final
-    # sync (0.05-0.3 ms, paid once) weigh < 1 us per call; with 30 they added up to ~3-7% to a 0.05-0.1 ms
-    # sparse decode and ~1% to dense, a bias against the faster side
+    # sync, paid once per loop, fall out; at 30 the same kernels came out 6-12 us slower per call on an
+    # H200 (512K / 128K sparse 0.106 / 0.050 vs 0.094 / 0.044 ms, gpu_h200_decode_stages/loop300_6e7eea1),
+    # an absolute cost that weighs most on the faster side
     loop_iters: int = 300
     unroll_calls: int = 16     # decode calls unrolled in one program (time_ms_unrolled)
-    # prefill calls per device loop: 16, so the program's first dispatch (0.8-1.3 ms for the hierarchical
-    # 4K prefill's ~60 kernels, ~0.1 ms for cuDNN's) and final sync weigh ~0.06 ms per call (with 4: ~0.25)
+    # prefill calls per device loop: 16, so the program's first dispatch (0.8-1.3 ms of host time for the
+    # hierarchical 4K prefill's ~60 kernels on an H200) is spread over 16 calls rather than 4
     prefill_loop_iters: int = 16
     deadline_s: float = 520.0
     cpu: bool = False
@@ -878,8 +879,8 @@ def to_markdown(res: dict) -> str:
         p = res.get("plan", {})
         md += [f"## Decode, device time per call (same run, same inputs, dense timed the same ways)", "",
                f"Loop = {p.get('loop_iters', 30)} calls in one jitted `fori_loop` (host dispatch paid once; the loop "
-               f"body's kernels are launched iteration by iteration; runs before 2026-11-23 looped 30 calls, which "
-               "left the program's dispatch and sync weighing 2-10 us per call). Unrolled = "
+               f"body's kernels are launched iteration by iteration; runs before 2026-11-23 looped 30 calls, where the "
+               "same kernels came out 6-12 us slower per call). Unrolled = "
                f"{p.get('unroll_calls', 16)} calls written out in one jitted program (its dispatch and sync weigh "
                "1/16 each), which XLA can capture whole in a command buffer (a CUDA graph; "
                "the end-to-end trace shows the model step captured so), as a model step runs its layers; each call's query depends on the previous output, so they run in order and "
@@ -918,8 +919,8 @@ def to_markdown(res: dict) -> str:
         p = res.get("plan", {})
         md += ["## Prefill, device time per call (same run, same inputs, dense timed the same ways)", "",
                f"Loop = {p.get('prefill_loop_iters', 4)} calls in one jitted `fori_loop`, as a model's prefill runs "
-               "its layers in one program (runs before 2026-11-23 looped 4, where the program's first dispatch "
-               "still weighed ~0.25 ms per call); per call = back-to-back jitted calls, each synced every 5 calls; "
+               "its layers in one program (runs before 2026-11-23 looped 4, spreading the program's "
+               "first dispatch over 4 calls); per call = back-to-back jitted calls, each synced every 5 calls; "
                "steady = (T(8 calls) - T(4 calls)) / 4, T ending in one sync: what each further call adds, "
                "without the first call's host dispatch and the final sync.", "",
                "| Hq/Hkv | L | phase | method | level / budget | kept | loop ms | cuDNN loop | speedup (loop) | "

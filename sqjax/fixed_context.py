@@ -535,9 +535,9 @@ def _ask_step(graphdef, state, tok, pos, step, cache, attn_state, key, temperatu
     """One decode step of `FixedContext.ask` with its inputs carried on the device.
 
     tok, pos int32 [1, 1], step int32 [1] and the cache are donated and come back (before any
-    other output of their shape) as the next step's, so every step runs on the same buffers
-    (XLA then replays the step's command buffer rather than re-recording it, as in
-    `models.generate`).  The sampled id uses the key folded with ``step``, as `_sample` does.
+    other output of their shape) as the next step's, so every step runs on the same buffers,
+    as `models.generate`'s carried step does (its measured host-time saving is there; this
+    loop's GPU time was not measured).  The sampled id uses the key folded with ``step``.
     -> (tok', pos + 1, step + 1, cache, captures, sampled id int32 [1] for the host).
     """
     from models.forward import forward
