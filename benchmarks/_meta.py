@@ -169,9 +169,9 @@ def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls:
     head-sharded query with no collective (as `time_ms_looped`'s ``"add"``). Big arrays belong in
     `fixed`. Median over `reps` after a warm-up call. The program's dispatch and final sync are paid
     once per `n_calls` calls: with 16 calls of 0.1-0.2 ms they added 20 (1 GPU) to 31 (2 GPUs) us per
-    call over a 300-call `time_ms_looped` on H200s (gpu_sharded_heads/final_9a8d715) (`time_ms_looped` with a few hundred calls amortises them; a difference
-    T(2n) - T(n) of two such programs was tried on an H200 and was noise-dominated: below the kernel
-    busy time for 3 of the 12 paths timed, benchmarks/results/gpu_h200_decode_stages/loop300_6e7eea1).
+    call over a 300-call `time_ms_looped`, which amortises them (H200s, gpu_sharded_heads/final_9a8d715).
+    A difference T(2n) - T(n) of two such programs was tried and was noise-dominated: below the kernel
+    busy time for 3 of the 12 paths timed (gpu_h200_decode_stages/loop300_6e7eea1).
     """
     if fold not in ("sum", "add"):
         raise ValueError(f"fold must be 'sum' or 'add', got {fold!r}")
