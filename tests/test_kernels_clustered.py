@@ -717,7 +717,7 @@ def test_gpu_script_clustered_checks():
   plan = gpu_kernels.Plan(backend="interpret", dense_impl="xla", checks="smoke",
                           check_scale="tiny")
   res = gpu_kernels.run_clustered_checks(plan, lambda m: None)
-  assert len(res) == 2
+  assert len(res) == 3
   assert all(c["status"] == "PASS" for c in res), res
 
 
@@ -738,3 +738,147 @@ def test_score_blocks_auto(num_l, num_c, hkv, want):
   assert p.n_a == -(-num_c // (bc * want)) and p.cx >= p.n_a * want * bc
   assert _make_plan(4 * hkv, hkv, num_l, num_c, 0, 128, "kv",
                     ClusteredConfig(score_blocks=2)).score_blocks == min(2, -(-num_c // bc))
+
+
+# ----------------------------------------------------------------------------
+# Int8 centroids (decode lookup).
+# ----------------------------------------------------------------------------
+def _int8_case(rng, *, hq, hkv, dtype, d=32, outlier=True):
+  """make_case with real numbers in empty clusters' centroid rows (k-means leaves 0 there),
+  an outlier channel (keys have them), and the int8 centroids of that."""
+  from pallas_kernels.centroid_quant import quantize_centroids
+  x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
+  cent = np.nan_to_num(f64(x["cent"]), nan=0.0)
+  if outlier:
+    cent[:, :, 3] *= 12.0
+  x = dict(x, cent=jnp.asarray(cent, dtype))
+  qc = quantize_centroids(x["cent"])
+  empty = jnp.asarray(meta["counts"] == 0)
+  # empty clusters' rows are never read: poison them
+  qc = qc._replace(values=jnp.where(empty[..., None], jnp.int8(127), qc.values),
+                   row_scale=jnp.where(empty, jnp.nan, qc.row_scale))
+  return x, meta, qc
+
+
+def _int8_scores(x, qc, counts, scale, vote):
+  """Eq. 1 in float64 on the int8 logits x_i = scale r_i (q' . c8_i)."""
+  from pallas_kernels.centroid_quant import scaled_query
+  q_s = scaled_query(x["q"], qc.col_scale, hkv=counts.shape[0])
+  cf = np.nan_to_num(f64(qc.values) * f64(qc.row_scale)[..., None])
+  return np_scores(q_s, cf, counts, scale, vote)
+
+
+def test_quantize_centroids_roundtrip(rng):
+  from pallas_kernels.centroid_quant import dequantize_centroids, quantize_centroids
+  c = rng.normal(size=(3, 50, 24)) * np.exp(rng.normal(size=(3, 50, 1)))
+  c[:, :, 5] *= 30.0                      # outlier channel
+  c[1, 7] = 0.0                           # zero row (an empty cluster's centroid)
+  c[2, :, 9] = 0.0                        # zero channel
+  qc = quantize_centroids(jnp.asarray(c, jnp.float32))
+  v, r, s = (np.asarray(a) for a in qc)
+  assert v.dtype == np.int8 and np.abs(v.astype(int)).max() <= 127
+  assert r.dtype == np.float32 and s.dtype == np.float32 and np.all(r > 0) and np.all(s > 0)
+  row_max = np.abs(v.astype(int)).max(axis=2)
+  assert np.all(row_max[np.abs(c).max(axis=2) > 0] == 127)   # every non-zero row uses the range
+  assert not np.any(v[1, 7]) and not np.any(v[2, :, 9])
+  back = np.asarray(dequantize_centroids(qc), np.float64)
+  # each element is off by at most half a step of its row and channel
+  step = r[..., None].astype(np.float64) * s[:, None, :]
+  assert np.all(np.abs(back - c) <= 0.5 * step * (1 + 1e-5) + 1e-7)
+  # the outlier channel does not swamp the others: per-channel scales
+  assert np.median(np.abs(back - c)[..., 0]) < 0.02 * np.median(np.abs(c[..., 0]))
+  # bf16 input gives the same kind of object
+  qb = quantize_centroids(jnp.asarray(c, BF))
+  assert qb.values.shape == c.shape and qb.values.dtype == jnp.int8
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype,score_blocks", [
+    (8, 2, "kv", jnp.float32, 1),
+    (8, 2, "q", jnp.float32, 2),
+    (3, 3, "kv", jnp.float32, 1),      # 1:1
+    (8, 2, "kv", BF, 2),
+    (8, 2, "q", BF, 1),
+])
+def test_decode_int8_centroids_match_reference_and_bruteforce(rng, hq, hkv, vote, dtype, score_blocks):
+  """The scoring kernel on int8 centroids selects what float64 Eq. 1 on the int8 logits
+  selects, and the output equals the reference's (and the brute force over that selection)."""
+  scale = 32 ** -0.5
+  x, meta, qc = _int8_case(rng, hq=hq, hkv=hkv, dtype=dtype)
+  s = _int8_scores(x, qc, meta["counts"], scale, vote)
+  valid = np.repeat(meta["counts"] > 0, s.shape[0] // hkv, axis=0)
+  kw = {"lo_q": 0.75, "hi_q": 0.95} if vote == "q" else {}
+  thr = pick_threshold(s, valid, **kw)
+  sel_np = (s > thr) & valid
+  assert sel_np.any() and not sel_np[valid].all()
+  o_np, _, rows_np = brute(x, None, scale, vote, sel=sel_np)
+  x = poison_unselected(x, meta, sel_np)
+  args = list(args_of(x, thr))
+  args[3] = qc
+  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2))
+  out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=True,
+                                              backend="interpret", config=cfg)
+  ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
+                                                          return_stats=True)
+  assert out.dtype == x["q"].dtype and not np.isnan(f64(out)).any()
+  np.testing.assert_array_equal(np.asarray(sel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rsel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rows), rows_np)
+  np.testing.assert_array_equal(np.asarray(rrows), rows_np)
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  assert rel(out, ref) < tol and rel(ref, o_np[:, 0]) < tol
+
+
+def test_int8_centroids_select_like_float_centroids(rng):
+  """Quantisation moves logits by a few hundredths: away from the threshold the int8 selection
+  is the float one (no cluster within 2% of the threshold in relative score changes)."""
+  from pallas_kernels.centroid_quant import quantize_centroids
+  scale = 32 ** -0.5
+  x, meta = make_case(rng, hq=8, hkv=2, d=32, dtype=jnp.float32)
+  x = dict(x, cent=jnp.nan_to_num(x["cent"]))
+  qc = quantize_centroids(x["cent"])
+  s_f = np_scores(x["q"], x["cent"], meta["counts"], scale, "kv")
+  s_8 = _int8_scores(x, qc, meta["counts"], scale, "kv")
+  valid = meta["counts"] > 0
+  rel_change = np.abs(s_8 - s_f)[valid] / s_f[valid]
+  assert np.max(rel_change) < 0.05
+  thr = pick_threshold(s_f, valid)
+  far = np.abs(s_f - thr) > 0.05 * thr
+  np.testing.assert_array_equal(((s_8 > thr) & valid)[far], ((s_f > thr) & valid)[far])
+
+
+def test_int8_centroids_validation(rng):
+  from pallas_kernels.centroid_quant import quantize_centroids
+  x, meta = make_case(rng, hq=4, hkv=2, num_c=9, n_clustered=50, n_tail=3, d=16, num_s=4)
+  qc = quantize_centroids(jnp.nan_to_num(x["cent"]))
+  a = list(args_of(x, 0.01))
+
+  def call(c, fn=clustered_decode_attention, q=None):
+    b = list(a)
+    b[3] = c
+    if q is not None:
+      b[0] = q
+    return fn(*b, scale=0.25, backend="interpret")
+
+  with pytest.raises(ValueError, match="values must be int8"):
+    call(qc._replace(values=qc.values.astype(jnp.int32)))
+  with pytest.raises(ValueError, match=r"row_scale \[Hkv, C\]"):
+    call(qc._replace(row_scale=qc.row_scale[:, :-1]))
+  with pytest.raises(ValueError, match="col_scale must be float32"):
+    call(qc._replace(col_scale=qc.col_scale.astype(BF)))
+  with pytest.raises(ValueError, match="for the decode lookup"):
+    call(qc, fn=clustered_prefill_attention, q=a[0][:, None])
+  with pytest.raises(ValueError, match=r"centroids must be \[Hkv, C, d\]"):
+    quantize_centroids(x["cent"][0])
+
+
+def test_decode_int8_lowers(fake_h100):
+  from pallas_kernels.centroid_quant import Int8Centroids
+  num_l, num_c, num_s = 524288, 26214, 1024
+  qc = Int8Centroids(sds((HKV, num_c, D), jnp.int8), sds((HKV, num_c), jnp.float32),
+                     sds((HKV, D), jnp.float32))
+  _lower(lambda q, k, v, c, o, kn, vn: clustered_decode_attention(
+      q, k, v, c, o, jnp.float32(1e-4), kn, vn, jnp.zeros((1,), jnp.int32),
+      jnp.zeros((num_s,), jnp.int32), scale=D ** -0.5, backend="pallas"),
+      sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), qc,
+      sds((HKV, num_c + 1), jnp.int32), sds((HKV, num_s, D)), sds((HKV, num_s, D)))
+  assert len(fake_h100) == 3
