@@ -66,7 +66,6 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             saap_attention, saap_attention_reference, sparse_attention,
                             sparse_attention_reference)
 from pallas_kernels import clustered_attention as clat
-from pallas_kernels.centroid_quant import quantize_centroids, scoring_operands
 from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
                                              gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
@@ -414,9 +413,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
   b = lambda x: jnp.asarray(x, BF16)
   i32 = lambda x: jnp.asarray(x, jnp.int32)
 
-  def inputs(vote, prefill, int8=False):
-    """``int8``: the centroids as ``Int8Centroids`` (empty clusters' rows 0 before quantising,
-    then poisoned) and the threshold from the int8 logits."""
+  def inputs(vote, prefill):
     k = rng.normal(size=(hkv, num_l, d))
     v = rng.normal(size=(hkv, num_l, d))
     lab = np.asarray(synth_labels(jax.random.PRNGKey(int(rng.integers(1 << 30))), hkv,
@@ -435,18 +432,11 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     kn[:, kvp < 0] = np.nan                                     # padding slots: never read
     vn[:, kvp < 0] = np.nan
     qp = num_l + max(num_s - t, 0) + np.arange(t)
-    cents = b(cent)
-    q_s, c_s = q if prefill else q[:, 0], cents
-    if int8:
-      qc = quantize_centroids(b(np.nan_to_num(cent)))
-      empty = jnp.asarray(cnt == 0)
-      cents = qc._replace(values=jnp.where(empty[..., None], jnp.int8(127), qc.values),
-                          row_scale=jnp.where(empty, jnp.nan, qc.row_scale))
-      q_s, c_s = scoring_operands(q_s, qc)
-    _, sc = centroid_lookup_reference(q_s, c_s, i32(cnt), 0.0, scale=scale, vote=vote)
+    _, sc = centroid_lookup_reference(q if prefill else q[:, 0], b(cent), i32(cnt), 0.0,
+                                      scale=scale, vote=vote)
     g_s = sc.shape[0] // hkv
     thr = gap_threshold(sc, np.repeat(cnt > 0, g_s, axis=0))
-    args = [q if prefill else q[:, 0], ks, vs, cents, offs, jnp.float32(thr), b(kn), b(vn),
+    args = [q if prefill else q[:, 0], ks, vs, b(cent), offs, jnp.float32(thr), b(kn), b(vn),
             i32(qp[-1:] if not prefill else qp), i32(kvp)]
     # poison the rows no selection head of the group retrieves
     sel = np.asarray(sc) > thr
@@ -461,8 +451,8 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     args[2] = jnp.where(jnp.asarray(used)[..., None], vs, jnp.nan).astype(BF16)
     return args
 
-  def case(vote, prefill, int8=False):
-    args = inputs(vote, prefill, int8)
+  def case(vote, prefill):
+    args = inputs(vote, prefill)
     if prefill:
       out, sel, rows = clustered_prefill_attention(*args, scale=scale, vote=vote,
                                                    capacity=num_l // 2, return_stats=True,
@@ -497,8 +487,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
 
   check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
   check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)
-  check("clustered_decode int8 centroids vote=kv poisoned", lambda: case("kv", False, True), 2e-2)
-  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the three above
+  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the two above
     check("clustered_decode vote=q poisoned", lambda: case("q", False), 2e-2)
     check("clustered_decode_selected vote=kv poisoned", lambda: selected_case("kv"), 2e-2)
     if plan.checks == "full":

@@ -41,7 +41,7 @@ def check_warps_stages(num_warps: int, num_stages: int) -> None:
 
 
 def shape_str(**arrays: Any) -> str:
-  return ", ".join(f"{k}{tuple(v.shape) if hasattr(v, 'shape') else np.shape(v)}" for k, v in arrays.items())
+  return ", ".join(f"{k}{tuple(np.shape(v))}" for k, v in arrays.items())
 
 
 def check_float(name: str, x: jax.Array) -> None:

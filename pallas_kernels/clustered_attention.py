@@ -69,7 +69,6 @@ from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_prefill,
                                             centroid_lookup_reference)
-from pallas_kernels.centroid_quant import Int8Centroids, check_int8_centroids, scaled_query, scoring_operands
 from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
@@ -238,15 +237,15 @@ def _clipped_ranges(offs_ref, kv, c, valid, *, num_c, num_l):
   return lo, jnp.maximum(hi - lo, 0)
 
 
-def _score_kernel(q_ref,      # [Hq, dp] (int8: q' = q * s)
-                  c_ref,      # [Hkv * C, dp] (int8: c8)
+def _score_kernel(q_ref,      # [Hq, dp]
+                  c_ref,      # [Hkv * C, dp]
                   offs_ref,   # [Hkv * (C + 1)] int32
-                  *refs,      # (int8: row scale r [Hkv * C] f32), x, m, l
-                  p: _Plan, scale, exact_dot, int8=False):
+                  x_ref,      # out [Hkv, g, Cx] f32 scaled logits (MASK on invalid)
+                  m_ref,      # out [Hkv, g, nA2] f32 program max
+                  l_ref,      # out [Hkv, g, nA2] f32 program sum N exp(x - m)
+                  *, p: _Plan, scale, exact_dot):
   """One program per (KV head, ``score_blocks`` blocks of ``block_c`` centroids): the
-  logits of each block (x [Hkv, g, Cx] f32, MASK on invalid), and the program's (m, l)
-  [Hkv, g, nA2] folded online over its blocks.  ``int8``: x = scale r (q' . c8)."""
-  rs_ref, (x_ref, m_ref, l_ref) = (refs[0], refs[1:]) if int8 else (None, refs)
+  logits of each block, and the program's (m, l) folded online over its blocks."""
   kv = pl.program_id(0)
   sp = pl.program_id(1)
   hr = jnp.arange(p.rp, dtype=jnp.int32)
@@ -261,18 +260,11 @@ def _score_kernel(q_ref,      # [Hq, dp] (int8: q' = q * s)
     _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
     valid = jv & (cnt > 0)
     c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)          # [Bc, dp]
-    if int8:
-      c = c.astype(q.dtype)                                            # |c8| <= 127: exact
     if exact_dot:
       x = plgpu.dot(q, c, trans_b=True, allow_tf32=False)
     else:
       x = plgpu.dot(q, c, trans_b=True)
-    if int8:
-      rs = cm.gather_vec(rs_ref, kv * p.num_c + j, valid, other=0.0)   # [Bc]
-      x = x * (scale * rs)[None, :]
-    else:
-      x = x * scale
-    x = jnp.where(valid[None, :], x, cm.MASK_VALUE)                   # [rp, Bc]
+    x = jnp.where(valid[None, :], x * scale, cm.MASK_VALUE)           # [rp, Bc]
     plgpu.store(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(cb * p.block_c, p.block_c)], x,
                 mask=hv[:, None])
     m_new = jnp.maximum(m_run, jnp.max(x, axis=1))
@@ -463,15 +455,9 @@ def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: Cluste
   dp = p.dp
   qf = cm.pad_axis(q, 1, dp)
   offs = offsets.reshape(-1)
-  int8 = isinstance(centroids, Int8Centroids)
-  if int8:   # x = scale r_c (q' . c8_c), q' = q * s (module centroid_quant)
-    q_score = cm.pad_axis(scaled_query(q, centroids.col_scale, hkv=hkv), 1, dp)
-    args = (q_score, cm.pad_axis(centroids.values, 2, dp).reshape(hkv * num_c, dp), offs,
-            centroids.row_scale.reshape(hkv * num_c))
-  else:
-    args = (qf, cm.pad_axis(centroids, 2, dp).reshape(hkv * num_c, dp), offs)
+  c_flat = cm.pad_axis(centroids, 2, dp).reshape(hkv * num_c, dp)
   x, ms, ls = pallas_call(
-      functools.partial(_score_kernel, p=p, scale=scale, int8=int8,
+      functools.partial(_score_kernel, p=p, scale=scale,
                         exact_dot=jnp.dtype(q.dtype) == jnp.dtype(jnp.float32)),
       backend=backend, num_warps=cfg.score_warps, num_stages=cfg.score_stages,
       grid=(hkv, p.n_a),
@@ -479,7 +465,7 @@ def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: Cluste
                  jax.ShapeDtypeStruct((hkv, p.g, p.n_a2), jnp.float32),
                  jax.ShapeDtypeStruct((hkv, p.g, p.n_a2), jnp.float32)],
       name="clustered_scores",
-  )(*args)
+  )(qf, c_flat, offs)
   return p, qf, offs, x, ms, ls
 
 
@@ -663,8 +649,7 @@ def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_p
   num_c = centroids.shape[1]
   g = hq // hkv
   counts = _counts(offsets, num_l)
-  q_s, cent = scoring_operands(q, centroids) if isinstance(centroids, Int8Centroids) else (q, centroids)
-  sel, _ = centroid_lookup_reference(q_s, cent, counts, threshold, scale=scale, vote=vote,
+  sel, _ = centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote,
                                      reduce_stats=reduce_stats)
   out, lse = _attend_selected(q, k, v, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
   return out, lse, sel, _rows_of_selection(sel, offsets, num_l)
@@ -750,12 +735,6 @@ def _validate(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_po
   if dk != d or num_l < 1:
     raise ValueError(f"head dims must match and L >= 1; got {shapes}")
   cm.check_heads(hq, hkv, shapes)
-  int8 = isinstance(centroids, Int8Centroids)
-  if int8:
-    check_int8_centroids(centroids, shapes)
-    if q_rank != 2:
-      raise ValueError("int8 centroids (Int8Centroids) are for the decode lookup; pass the float "
-                       "centroids to prefill")
   if centroids.ndim != 3 or centroids.shape[0] != hkv or centroids.shape[2] != d \
      or centroids.shape[1] < 1:
     raise ValueError(f"need centroids [Hkv, C >= 1, d]; got {shapes}")
@@ -773,8 +752,8 @@ def _validate(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_po
   if jnp.ndim(threshold) != 0:
     raise ValueError(f"threshold must be a scalar, got shape {jnp.shape(threshold)}")
   cm.check_float("q", q)
-  cm.check_same_dtype(q=q, k_sorted=k, v_sorted=v, k_new=k_new, v_new=v_new,
-                      **({} if int8 else {"centroids": centroids}))
+  cm.check_same_dtype(q=q, k_sorted=k, v_sorted=v, centroids=centroids, k_new=k_new,
+                      v_new=v_new)
   for name, x in (("offsets", offsets), ("q_pos", q_pos), ("kv_pos_new", kv_pos_new)):
     cm.check_int32(name, x)
   cm.check_vote(vote)
