@@ -249,10 +249,8 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
     j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
                                          live=(j < n) if bounded else None)
-    # invalid columns -> MASK by an added [Bc] bias: one fused multiply-add per element instead of
-    # a multiply and a select (valid columns: x * scale2 + 0, the same value)
-    bias = jnp.where(valid, 0.0, cm.MASK_VALUE)
-    s = plgpu.dot(q, c, trans_b=True) * scale2 + bias[None, :]    # [Bt, Bc] log2 units
+    s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc] log2 units
+    s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # invalid columns: cnt = 0 zeroes them (exp2 of a masked logit is 0 or, while every
     # column so far is masked, 1 times 0)
@@ -303,9 +301,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = ms_ref[h, pl.ds(tb * block_t, block_t)]                  # [Bt]
     lt = ls_ref[h, pl.ds(tb * block_t, block_t)]
     inv = jnp.where(tv & (lt > 0), 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
-    # exp2(x - m) <= 1 up to rounding on valid columns (m is their maximum); invalid columns may
-    # overflow to inf (or NaN where inv = 0) and are zeroed once, after the loop, by the `where`
-    p = jnp.exp2(plgpu.dot(q, c, trans_b=True) * scale2 - mt[:, None])   # [Bt, Bc]
+    s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc]
+    p = jnp.exp2(jnp.minimum(s - mt[:, None], 0.0))               # invalid columns: zeroed below
     if tile_acc:
       return acc + p * inv[:, None]                                 # [Bt, Bc]
     return acc + jnp.sum(p * inv[:, None], axis=0)
