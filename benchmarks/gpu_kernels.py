@@ -60,7 +60,7 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             clusters_to_indices, dense_attention_reference, dense_decode_attention,
                             gather_then_dense_attention,
                             hierarchical_lookup_decode, hierarchical_lookup_prefill,
-                            hierarchical_lookup_reference, quest_decode_attention,
+                            hierarchical_lookup_reference, hierarchical_scores, quest_decode_attention,
                             quest_decode_attention_reference, quest_page_minmax,
                             quest_page_scores, quest_page_scores_reference, quest_select,
                             saap_attention, saap_attention_reference, sparse_attention,
@@ -69,6 +69,8 @@ from pallas_kernels import clustered_attention as clat
 from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
                                              gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
+                                                clustered_decode_hierarchical,
+                                                clustered_decode_hierarchical_reference,
                                                 clustered_decode_attention,
                                                 clustered_decode_attention_reference,
                                                 clustered_decode_selected,
@@ -483,12 +485,51 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"nan": nan}
 
+  def hier_decode_case(vote):
+    """Hierarchical decode (level-2 logits handed to the attention kernel) vs the reference
+    (hierarchical lookup, then attention over its selection): a random level-1 tree over the
+    layout's clusters, T1 / T2 in gaps of the reference scores, unselected rows poisoned."""
+    args = inputs(vote, False)
+    q, offs = args[0], args[4]
+    cnt = np.diff(np.asarray(offs), axis=1)
+    c2 = b(np.nan_to_num(np.asarray(args[3], np.float32)))
+    num_c1 = max(2, num_c // 5)
+    parent = rng.integers(0, num_c1, size=(hkv, num_c))
+    c2f = np.asarray(c2, np.float32)
+    c1 = np.stack([np.stack([c2f[h, parent[h] == p].mean(0) if (parent[h] == p).any() else np.zeros(d)
+                             for p in range(num_c1)]) for h in range(hkv)])
+    n1 = np.stack([[cnt[h, parent[h] == p].sum() for p in range(num_c1)] for h in range(hkv)])
+    tree = (b(c1), i32(n1), c2, i32(cnt), i32(parent))
+    hs = hq if vote == "q" else hkv
+    _, s1, _, _ = hierarchical_scores(q, *tree, jnp.float32(0.0), scale=scale, vote=vote, backend="reference")
+    t1 = gap_threshold(np.asarray(s1), np.repeat(n1 > 0, hs // hkv, axis=0), 0.3, 0.6)
+    s2, _, cand, _ = hierarchical_scores(q, *tree, jnp.float32(t1), scale=scale, vote=vote, backend="reference")
+    t2 = gap_threshold(np.asarray(s2), np.asarray(cand), 0.5, 0.9)
+    sel = np.asarray(cand) & (np.asarray(s2) > t2)
+    used = np.zeros((hkv, num_l), bool)
+    o = np.asarray(offs)
+    for sh in range(hs):
+      h = sh // (hs // hkv)
+      used[h, o[h, -1]:] = True
+      for c in np.nonzero(sel[sh])[0]:
+        used[h, o[h, c]:o[h, c + 1]] = True
+    ks = jnp.where(jnp.asarray(used)[..., None], args[1], jnp.nan).astype(BF16)
+    vs = jnp.where(jnp.asarray(used)[..., None], args[2], jnp.nan).astype(BF16)
+    hargs = (q, ks, vs, b(c1), i32(n1), c2, offs, i32(parent), jnp.float32(t1), jnp.float32(t2), *args[6:])
+    out = clustered_decode_hierarchical(*hargs, scale=scale, vote=vote, backend=be)
+    ref = clustered_decode_hierarchical_reference(*hargs, scale=scale, vote=vote)
+    nan = bool(np.isnan(np.asarray(out, np.float32)).any())
+    return (float("inf") if nan else rel_err(out, ref)), {"nan": nan, "selected": int(sel.sum()),
+                                                          "candidates": int(np.asarray(cand).sum())}
+
   check = functools.partial(_run_check, log, results)
 
   check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
+  check("clustered_decode_hierarchical vote=kv poisoned", lambda: hier_decode_case("kv"), 2e-2)
   check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)
-  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the two above
+  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the three above
     check("clustered_decode vote=q poisoned", lambda: case("q", False), 2e-2)
+    check("clustered_decode_hierarchical vote=q poisoned", lambda: hier_decode_case("q"), 2e-2)
     check("clustered_decode_selected vote=kv poisoned", lambda: selected_case("kv"), 2e-2)
     if plan.checks == "full":
       check("clustered_prefill vote=q poisoned", lambda: case("q", True), 3e-2)

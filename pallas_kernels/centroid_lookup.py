@@ -176,11 +176,15 @@ def _decode_kernel(q_ref,      # [Hq, d]
                    c_ref,      # [Hkv * C, d]
                    n_ref,      # [Hkv * C] int32
                    *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
-                   scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False):
+                   scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False,
+                   logits=False):
   """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
   C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
   (computed here from the level-1 kernel's raw outputs) and the live rows are
-  reported.  ``blocks`` > 1: a loop (``unroll``: written out) over that many blocks."""
+  reported.  ``blocks`` > 1: a loop (``unroll``: written out) over that many blocks.
+  ``logits``: write the scaled logits (MASK off the live rows) as x [G, R, Cx] and the block
+  statistics as m, l [G, R, nBp] -- the layout the clustered attention kernel reads -- instead
+  of e, m, l [G, nB, R, ...] and the live rows."""
   grp = pl.program_id(0)
   pb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
@@ -189,7 +193,8 @@ def _decode_kernel(q_ref,      # [Hq, d]
   q = cm.gather_rows(q_ref, grp * r + hr, d, hv)                  # [rp, d]
   if level1 is not None:
     nb1, nb1p, bc1, num_p = level1
-    e_ref, m_ref, l_ref, live_ref = refs[6:]
+    e_ref, m_ref, l_ref = refs[6:9]
+    live_ref = None if logits else refs[9]
     stats = _level1_stats(refs[:6], kv=kv, h0=grp * r, group=group, r=r, nb1=nb1, nb1p=nb1p)
   else:
     (e_ref, m_ref, l_ref), live_ref = refs, None
@@ -206,7 +211,12 @@ def _decode_kernel(q_ref,      # [Hq, d]
     m = jnp.max(s, axis=1)                                        # [rp]
     e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)   # [rp, Bc]
     l = jnp.sum(e * cnt[None, :], axis=1)                         # [rp]
-    # Only the r real query rows are stored (outputs are [G, nB, r, ...]).
+    # Only the r real query rows are stored (outputs are [G, nB, r, ...], or [G, r, ...]).
+    if logits:
+      plgpu.store(e_ref.at[grp, pl.ds(0, rp), pl.ds(cb * block_c, block_c)], s, mask=hv[:, None])
+      plgpu.store(m_ref.at[grp, pl.ds(0, rp), cb], m, mask=hv)
+      plgpu.store(l_ref.at[grp, pl.ds(0, rp), cb], l, mask=hv)
+      return
     plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=hv[:, None])
     plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=hv)
     plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=hv)
@@ -344,10 +354,14 @@ class Level1Raw(NamedTuple):
   t1: jax.Array       # [] f32
 
 
-def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend):
+def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend, logits_cols=None):
   """The decode kernel: (e [G, nB, R, Bc], m [G, nB, R], l [G, nB, R], live [G, nB * Bc]
   int32 or None).  ``level1``: None, or a ``Level1Raw`` (level 2 of a hierarchical
-  lookup: only rows whose parent survives are read, and ``live`` reports them)."""
+  lookup: only rows whose parent survives are read, and ``live`` reports them).
+
+  ``logits_cols`` (level 2 only): instead, (x [G, R, logits_cols] scaled logits, MASK off the
+  live rows, m, l [G, R, nBp] block statistics, nB): the inputs of the clustered attention
+  kernel, which then forms Eq. 3 and votes itself."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
@@ -357,10 +371,18 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   blocks = cfg.level2_blocks if level1 is not None else 1
   nb = cm.cdiv(cm.cdiv(num_c, block_c), blocks) * blocks      # padded blocks hold no row
   c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+  logits = logits_cols is not None
+  if logits and (level1 is None or blocks != 1 or logits_cols < nb * block_c):
+    raise ValueError(f"logits_cols is for level 2 with one block per program and >= {nb * block_c} columns")
+  nbp = max(16, cm.next_pow2(nb))
   outs = [
       jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
       jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
       jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
+  ] if not logits else [
+      jax.ShapeDtypeStruct((groups, r, logits_cols), jnp.float32),    # x
+      jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),            # m_b
+      jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),            # l_b
   ]
   extra, lv = [], None
   if level1 is not None:
@@ -368,15 +390,18 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
     lv = (nb1, max(16, cm.next_pow2(nb1)), bc1, level1.counts.shape[1])
     extra = [level1.parent.reshape(-1), level1.counts.reshape(-1), level1.e.reshape(-1),
              level1.m.reshape(-1), level1.l.reshape(-1), jnp.asarray(level1.t1, jnp.float32).reshape(1)]
-    outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
+    if not logits:
+      outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-      block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll)
+      block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb // blocks), out_shape=outs,
       name="centroid_lookup_decode" if level1 is None else "centroid_lookup_decode_level2",
   )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
+  if logits:
+    return (*res, nb)
   return (*res, None) if len(res) == 3 else tuple(res)
 
 

@@ -67,12 +67,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _attention_core as core
 from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
-from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_prefill,
-                                            centroid_lookup_reference)
+from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, centroid_lookup_prefill,
+                                            centroid_lookup_reference, lookup_decode_raw)
+from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
+                                                hierarchical_lookup_reference)
 from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
-           "clustered_decode_partial",
+           "clustered_decode_hierarchical", "clustered_decode_hierarchical_reference", "clustered_decode_partial",
            "clustered_decode_attention_reference", "clustered_prefill_attention",
            "clustered_prefill_attention_reference"]
 
@@ -542,11 +544,48 @@ def _decode_selected_pallas(q, k, v, offsets, selected, k_new, v_new, q_pos, kv_
   per_q = jnp.repeat(selected, hq // selected.shape[0], axis=0).reshape(hkv, p.g, num_c)
   x = cm.pad_axis(jnp.where(per_q, 0.0, cm.MASK_VALUE).astype(jnp.float32), 2, p.cx, cm.MASK_VALUE)
   ms, ls = _head_stats_as_blocks(jnp.zeros((hkv, p.g), jnp.float32), jnp.ones((hkv, p.g), jnp.float32), 16)
+  return _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.float32(0.5), k_new, v_new, q_pos, kv_pos_new,
+                       scale=scale, cfg=cfg, backend=backend, out_dtype=out_dtype)
+
+
+def _attend_merge(p: _Plan, q, k, v, offsets, x, ms, ls, threshold, k_new, v_new, q_pos, kv_pos_new, *,
+                  scale, cfg, backend, out_dtype):
+  """Kernel B over given logits x [Hkv, g, Cx] and block statistics (ms, ls) [Hkv, g, >= nSA],
+  then the merge.  -> (o [Hq, d] out_dtype, lse [Hq] f32)."""
+  hq, d = q.shape
   o, m, l, _ = _attend_call(p, cm.pad_axis(q, 1, p.dp), offsets.reshape(-1), x, ms, ls, k, v,
-                            jnp.float32(0.5), k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                            threshold, k_new, v_new, q_pos, kv_pos_new, scale=scale,
                             return_stats=False, cfg=cfg, backend=backend)
   out, lse = _merge_pallas(o, m, l, d=d, out_dtype=out_dtype, backend=backend)
   return out.reshape(hq, d), lse.reshape(hq)
+
+
+def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_new, v_new, q_pos,
+                                kv_pos_new, *, scale, vote, cfg: ClusteredConfig,
+                                lookup_cfg: CentroidLookupConfig, backend):
+  """Hierarchical decode in four launches: the level-1 lookup kernel (Eq. 2, raw block
+  outputs), the level-2 kernel writing Eq. 3's logits over the candidates (MASK elsewhere) and
+  their block statistics in kernel B's layout, kernel B (which reduces those statistics, forms
+  S2, votes and attends to S2 > T2) and the merge.  -> o [Hq, d] in q's dtype."""
+  hq, d = q.shape
+  hkv, num_l, _ = k.shape
+  num_c = c2.shape[1]
+  hs = cm.num_selection_heads(hq, hkv, vote)
+  p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg)
+  n2 = _counts(offsets, num_l)
+  e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
+                                    backend=backend)
+  raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
+  block_c = min(lookup_cfg.block_c, max(16, cm.next_pow2(num_c)))
+  cols = max(p.cx, cm.cdiv(num_c, block_c) * block_c)
+  x, ms, ls, nb = lookup_decode_raw(q, c2, n2, raw, scale=scale, groups=hs, cfg=lookup_cfg,
+                                    backend=backend, logits_cols=cols)
+  # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
+  x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
+  p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)
+  o, _ = _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.asarray(t2, jnp.float32), k_new, v_new, q_pos,
+                       kv_pos_new, scale=scale, cfg=cfg, backend=backend, out_dtype=q.dtype)
+  return o
 
 
 MERGE_COLS = 32   # head-dim columns per merge program
@@ -853,6 +892,67 @@ def clustered_decode_selected(
                                  scale=scale, vote=vote, cfg=config or ClusteredConfig(), backend=be,
                                  out_dtype=q.dtype)
   return o
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+def clustered_decode_hierarchical_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets,
+                                            parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new,
+                                            *, scale, vote="kv"):
+  """Plain jnp: ``hierarchical_lookup_reference`` (Eq. 2-3, level-2 counts from the offsets),
+  then ``clustered_decode_selected_reference`` over its selection."""
+  n2 = _counts(offsets, k_sorted.shape[1])
+  selected, _, _ = hierarchical_lookup_reference(q, centroids1, counts1, centroids2, n2, parent, threshold1,
+                                                 threshold2, scale=scale, vote=vote)
+  return clustered_decode_selected_reference(q, k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos,
+                                             kv_pos_new, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config", "lookup_config"))
+def clustered_decode_hierarchical(
+    q: jax.Array,            # [Hq, d]
+    k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys (level-2 clusters)
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids1: jax.Array,   # [Hkv, C1, d] level-1 centroids
+    counts1: jax.Array,      # [Hkv, C1] int32 keys under each level-1 cluster
+    centroids2: jax.Array,   # [Hkv, C, d] level-2 centroids
+    offsets: jax.Array,      # [Hkv, C + 1] int32 (level-2 cluster c = rows [offsets[c], offsets[c+1]))
+    parent: jax.Array,       # [Hkv, C] int32 level-1 parent of each level-2 cluster
+    threshold1: jax.Array,   # [] f32 T1
+    threshold2: jax.Array,   # [] f32 T2
+    k_new: jax.Array,        # [Hkv, S, d]
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [1] int32
+    kv_pos_new: jax.Array,   # [S] int32 (-1 = empty)
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: ClusteredConfig | None = None,
+    lookup_config: CentroidLookupConfig | None = None,
+):
+  """Hierarchical Squeezed decode (Eq. 2-3) over the cluster-contiguous layout: the level-2
+  clusters with ``S2 > T2`` among the children of the level-1 survivors (``S1 >= T1``), the exact
+  part and the visible new keys, attended exactly.  Equal to ``hierarchical_lookup_decode``
+  followed by ``clustered_decode_selected``, in four launches instead of those two calls' seven
+  or more: the level-2 kernel hands its logits and block statistics to the attention kernel,
+  which normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
+  Returns o [Hq, d] in q's dtype."""
+  hq = q.shape[0]
+  hkv, _, d = k_sorted.shape
+  num_c = offsets.shape[1] - 1
+  _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
+  _validate_tree(q, centroids1, counts1, centroids2, offsets[:, 1:], parent, threshold1, vote, (2,))
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return clustered_decode_hierarchical_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets,
+                                                   parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new,
+                                                   scale=scale, vote=vote)
+  _check_vote_q_group(q, k_sorted, vote)
+  return _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
+                                     threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                                     vote=vote, cfg=config or ClusteredConfig(),
+                                     lookup_cfg=lookup_config or CentroidLookupConfig(), backend=be)
 
 
 def _check_vote_q_group(q, k_sorted, vote):

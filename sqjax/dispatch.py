@@ -122,24 +122,23 @@ def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new
     the centroids, attends to the selected clusters' contiguous row ranges plus the exact part
     and the new keys, and merges -- three launches, no index list, no capacity. Hierarchical
     (`level1` = (centroids1, counts1, counts2, parent) of the layer, `threshold1` = T1): the
-    hierarchical lookup kernels (Eq. 2-3) select the level-2 clusters (S2 > T) and the same
-    attention kernel attends to them.
+    level-1 lookup kernel (Eq. 2), the level-2 kernel writing Eq. 3's logits over the survivors'
+    children, and the same attention kernel normalising, voting (S2 > T) and attending, then the
+    merge -- four launches.
     """
     b = resolved()
     if b == "reference":
         return None
-    from pallas_kernels import clustered_decode_attention, clustered_decode_selected, hierarchical_lookup_decode
+    from pallas_kernels import clustered_decode_attention, clustered_decode_hierarchical
 
     dt = k_sorted.dtype  # the index stores centroids in the keys' dtype; no-op then
     if level1 is None:
         o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(dt), offsets, threshold,
                                        k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
         return o[:, None]
-    c1, n1, n2, parent = level1
+    c1, n1, _, parent = level1  # level-2 counts: the kernels take them from the layout's offsets
     f32 = jax.numpy.float32
-    selected, _, _ = hierarchical_lookup_decode(q[:, 0], c1.astype(dt), n1, centroids.astype(dt), n2, parent,
-                                                jax.numpy.asarray(threshold1, f32), jax.numpy.asarray(threshold, f32),
-                                                scale=scale, vote=vote, backend=b)
-    o = clustered_decode_selected(q[:, 0], k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos, kv_pos,
-                                  scale=scale, vote=vote, backend=b)
+    o = clustered_decode_hierarchical(q[:, 0], k_sorted, v_sorted, c1.astype(dt), n1, centroids.astype(dt), offsets,
+                                      parent, jax.numpy.asarray(threshold1, f32), jax.numpy.asarray(threshold, f32),
+                                      k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
     return o[:, None]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _dispatch
+from pallas_kernels.centroid_lookup import CentroidLookupConfig
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
                                                 clustered_decode_attention,
                                                 clustered_decode_attention_reference,
@@ -717,7 +718,7 @@ def test_gpu_script_clustered_checks():
   plan = gpu_kernels.Plan(backend="interpret", dense_impl="xla", checks="smoke",
                           check_scale="tiny")
   res = gpu_kernels.run_clustered_checks(plan, lambda m: None)
-  assert len(res) == 2
+  assert len(res) == 3
   assert all(c["status"] == "PASS" for c in res), res
 
 
@@ -738,3 +739,105 @@ def test_score_blocks_auto(num_l, num_c, hkv, want):
   assert p.n_a == -(-num_c // (bc * want)) and p.cx >= p.n_a * want * bc
   assert _make_plan(4 * hkv, hkv, num_l, num_c, 0, 128, "kv",
                     ClusteredConfig(score_blocks=2)).score_blocks == min(2, -(-num_c // bc))
+
+
+# ----------------------------------------------------------------------------
+# Hierarchical decode (level-2 logits handed to the attention kernel).
+# ----------------------------------------------------------------------------
+def _tree_case(rng, *, hq, hkv, dtype, num_c1=9, d=32):
+  """make_case's layout (its 37 clusters are the level-2 ones) under a random level-1 tree:
+  parents at random (some -1: no parent), level-1 centroids the mean of their children's,
+  level-1 counts the sum of theirs."""
+  x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
+  counts = meta["counts"]
+  num_c = counts.shape[1]
+  c2 = np.nan_to_num(f64(x["cent"]))
+  parent = rng.integers(0, num_c1, size=(hkv, num_c))
+  parent[rng.random((hkv, num_c)) < 0.1] = -1
+  c1 = np.stack([np.stack([c2[h, parent[h] == p].mean(0) + 0.3 * rng.normal(size=d)
+                           if (parent[h] == p).any() else np.zeros(d) for p in range(num_c1)])
+                 for h in range(hkv)])
+  n1 = np.stack([[counts[h, parent[h] == p].sum() for p in range(num_c1)] for h in range(hkv)])
+  tree = dict(c1=jnp.asarray(c1, dtype), n1=jnp.asarray(n1, jnp.int32), c2=x["cent"],
+              parent=jnp.asarray(parent, jnp.int32))
+  return x, meta, tree
+
+
+def _tree_thresholds(x, meta, tree, scale, vote):
+  """(T1, T2) in gaps of the level-1 / level-2 reference scores: rounding flips nothing."""
+  from pallas_kernels.hierarchical_lookup import hierarchical_scores
+  hs = x["q"].shape[0] if vote == "q" else meta["counts"].shape[0]
+  args = (x["q"], tree["c1"], tree["n1"], tree["c2"], jnp.asarray(meta["counts"], jnp.int32), tree["parent"])
+  _, s1, _, _ = hierarchical_scores(*args, jnp.float32(0.0), scale=scale, vote=vote, backend="reference")
+  valid1 = np.repeat(f64(tree["n1"]) > 0, hs // meta["counts"].shape[0], axis=0)
+  t1 = pick_threshold(f64(s1), valid1, lo_q=0.2, hi_q=0.6)
+  s2, _, cand, _ = hierarchical_scores(*args, jnp.float32(t1), scale=scale, vote=vote, backend="reference")
+  cand = np.asarray(cand)
+  kw = {"lo_q": 0.6, "hi_q": 0.95} if vote == "q" else {"lo_q": 0.3, "hi_q": 0.8}
+  return t1, pick_threshold(f64(s2), cand, **kw)
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype", [(8, 2, "kv", jnp.float32), (8, 2, "q", jnp.float32),
+                                                 (3, 3, "kv", jnp.float32), (8, 2, "kv", BF), (8, 2, "q", BF)])
+def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dtype):
+  """clustered_decode_hierarchical (level-2 logits -> attention kernel) == the hierarchical lookup's
+  selection (Eq. 2-3, float64 brute force) attended exactly (brute force), with the rows no head
+  selects poisoned; and == its reference."""
+  from pallas_kernels.clustered_attention import (clustered_decode_hierarchical,
+                                                  clustered_decode_hierarchical_reference)
+  scale = 32 ** -0.5
+  x, meta, tree = _tree_case(rng, hq=hq, hkv=hkv, dtype=dtype)
+  t1, t2 = _tree_thresholds(x, meta, tree, scale, vote)
+  from test_kernels_hierarchical_lookup import brute_hierarchical   # tests/ is on sys.path under pytest
+  sel_np, _, _ = brute_hierarchical(f64(x["q"]), f64(tree["c1"]), tree["n1"], f64(tree["c2"]), meta["counts"],
+                         tree["parent"], t1, t2, scale, vote)
+  assert sel_np.any() and not sel_np[np.repeat(meta["counts"] > 0, sel_np.shape[0] // hkv, 0)].all()
+  o_np, _, _ = brute(x, None, scale, vote, sel=sel_np)
+  x = poison_unselected(x, meta, sel_np)
+  args = (x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
+          jnp.float32(t1), jnp.float32(t2), x["kn"], x["vn"], x["qp"], x["kvp"])
+  out = clustered_decode_hierarchical(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
+                                      lookup_config=CentroidLookupConfig(block_c=16))
+  ref = clustered_decode_hierarchical_reference(*args, scale=scale, vote=vote)
+  assert out.dtype == x["q"].dtype and out.shape == x["q"].shape and not np.isnan(f64(out)).any()
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  assert rel(ref, o_np[:, 0]) < tol and rel(out, o_np[:, 0]) < tol
+  # T1 above every level-1 score: no candidate, only the exact part and the new keys
+  none = clustered_decode_hierarchical(*args[:8], jnp.float32(2.0), *args[9:], scale=scale, vote=vote,
+                                       backend="interpret", config=SMALL)
+  o0, _, _ = brute(x, None, scale, vote, sel=np.zeros_like(sel_np))
+  assert not np.isnan(f64(none)).any() and rel(none, o0[:, 0]) < tol
+
+
+def test_decode_hierarchical_validation(rng):
+  from pallas_kernels.clustered_attention import clustered_decode_hierarchical
+  x, meta, tree = _tree_case(rng, hq=4, hkv=2, dtype=jnp.float32)
+  args = [x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
+          jnp.float32(0.1), jnp.float32(0.1), x["kn"], x["vn"], x["qp"], x["kvp"]]
+
+  def call(i, val):
+    b = list(args)
+    b[i] = val
+    return clustered_decode_hierarchical(*b, scale=0.2, backend="interpret")
+
+  with pytest.raises(ValueError, match=r"parent \[Hkv, C2\]"):
+    call(7, tree["parent"][:, :-1])
+  with pytest.raises(ValueError, match=r"c1 \[Hkv, C1, d\]"):
+    call(4, tree["n1"][:, :-1])
+  with pytest.raises(ValueError, match="t1 must be a scalar"):
+    call(8, jnp.zeros((2,), jnp.float32))
+  with pytest.raises(ValueError, match="threshold must be a scalar"):
+    call(9, jnp.zeros((2,), jnp.float32))
+
+
+def test_decode_hierarchical_lowers(fake_h100):
+  from pallas_kernels.clustered_attention import clustered_decode_hierarchical
+  num_l, num_c, num_c1, num_s = 524288, 26214, 5242, 1024
+  i32 = jnp.int32
+  _lower(lambda q, k, v, c1, n1, c2, o, par, kn, vn: clustered_decode_hierarchical(
+      q, k, v, c1, n1, c2, o, par, jnp.float32(1e-4), jnp.float32(1e-4), kn, vn, jnp.zeros((1,), i32),
+      jnp.zeros((num_s,), i32), scale=D ** -0.5, backend="pallas"),
+      sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c1, D)), sds((HKV, num_c1), i32),
+      sds((HKV, num_c, D)), sds((HKV, num_c + 1), i32), sds((HKV, num_c), i32), sds((HKV, num_s, D)),
+      sds((HKV, num_s, D)))
+  assert len(fake_h100) == 4                       # level 1, level 2, attention, merge
