@@ -119,12 +119,21 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
-def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None):
+def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None, offsets_l=None):
   """Rows ``j`` of KV head ``kv``: (validity, counts, rows).  ``live`` [Bc] bool: the
-  rows that may be read at all (default ``j < num_c``); masked loads move no bytes."""
+  rows that may be read at all (default ``j < num_c``); masked loads move no bytes.
+  ``offsets_l`` = L: ``n_ref`` holds a cluster-contiguous layout's offsets [Hkv * (C + 1)]
+  and the counts are their differences, offsets clipped to [0, L] (as the attention kernel
+  reads them)."""
   cv = j < num_c if live is None else live
   row = kv * num_c + j
-  cnt = cm.gather_vec(n_ref, row, cv, other=0)                    # [Bc] int32
+  if offsets_l is None:
+    cnt = cm.gather_vec(n_ref, row, cv, other=0)                  # [Bc] int32
+  else:
+    base = kv * (num_c + 1) + j
+    lo = jnp.clip(cm.gather_vec(n_ref, base, cv, other=0), 0, offsets_l)
+    hi = jnp.clip(cm.gather_vec(n_ref, base + 1, cv, other=0), 0, offsets_l)
+    cnt = jnp.maximum(hi - lo, 0)
   valid = cv & (cnt > 0)
   c = cm.gather_rows(c_ref, row, d, valid)                        # [Bc, d]
   return valid, cnt.astype(jnp.float32), c
@@ -177,7 +186,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
                    n_ref,      # [Hkv * C] int32
                    *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
                    scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False,
-                   logits=False):
+                   logits=False, offsets_l=None):
   """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
   C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
   (computed here from the level-1 kernel's raw outputs) and the live rows are
@@ -205,7 +214,8 @@ def _decode_kernel(q_ref,      # [Hq, d]
     if level1 is not None:
       live = _level2_live(refs[:6], stats, kv=kv, j=j, num_c=num_c, num_p=num_p, group=group, r=r,
                           nb1=nb1, bc1=bc1)
-    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live,
+                                         offsets_l=offsets_l)
     s = plgpu.dot(q, c, trans_b=True) * scale                     # [rp, Bc] f32
     s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m = jnp.max(s, axis=1)                                        # [rp]
@@ -354,14 +364,16 @@ class Level1Raw(NamedTuple):
   t1: jax.Array       # [] f32
 
 
-def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend, logits_cols=None):
+def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend, logits_cols=None,
+                      offsets_l=None):
   """The decode kernel: (e [G, nB, R, Bc], m [G, nB, R], l [G, nB, R], live [G, nB * Bc]
   int32 or None).  ``level1``: None, or a ``Level1Raw`` (level 2 of a hierarchical
   lookup: only rows whose parent survives are read, and ``live`` reports them).
 
   ``logits_cols`` (level 2 only): instead, (x [G, R, logits_cols] scaled logits, MASK off the
   live rows, m, l [G, R, nBp] block statistics, nB): the inputs of the clustered attention
-  kernel, which then forms Eq. 3 and votes itself."""
+  kernel, which then forms Eq. 3 and votes itself.  ``offsets_l`` = L: ``counts`` is a
+  cluster-contiguous layout's offsets [Hkv, C + 1] (rows in [0, L)), the counts their differences."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
@@ -370,7 +382,10 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   block_c = min(cfg.block_c, max(16, cm.next_pow2(num_c)))
   blocks = cfg.level2_blocks if level1 is not None else 1
   nb = cm.cdiv(cm.cdiv(num_c, block_c), blocks) * blocks      # padded blocks hold no row
-  c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+  if offsets_l is None:
+    c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+  else:
+    c_flat, n_flat = cm.pad_axis(centroids, 2, dp).reshape(hkv * num_c, dp), counts.reshape(-1)
   logits = logits_cols is not None
   if logits and (level1 is None or blocks != 1 or logits_cols < nb * block_c):
     raise ValueError(f"logits_cols is for level 2 with one block per program and >= {nb * block_c} columns")
@@ -394,7 +409,8 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
       outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-      block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits)
+      block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits,
+      offsets_l=offsets_l)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb // blocks), out_shape=outs,

@@ -45,6 +45,12 @@ and no index list:
 (C) ``_merge_kernel``, grid (Hkv, g, head-dim blocks): the log-sum-exp merge of the
     partials, written in the output dtype (reference: ``_merge``).
 
+Hierarchical decode (``clustered_decode_hierarchical``, Eq. 2-3) = 4 Pallas kernels: the
+level-1 lookup kernel (raw block outputs), the level-2 lookup kernel over the children of the
+level-1 survivors writing the scaled logits (MASK elsewhere) and per-block (m, l) in kernel A's
+output layout, then (B) and (C) unchanged: B's statistics reduction over the level-2 blocks is
+Eq. 3's denominator over the candidates, and its vote is ``S2 > T2``.
+
 Prefill (``clustered_prefill_attention``, a block of T tokens, one selection per
 head for the block): scores by the existing ``centroid_lookup_prefill`` kernels,
 the selected ranges (+ the exact part) expanded to a static-capacity row list,
@@ -572,14 +578,14 @@ def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_
   num_c = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote)
   p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg)
-  n2 = _counts(offsets, num_l)
   e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
                                     backend=backend)
   raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
   block_c = min(lookup_cfg.block_c, max(16, cm.next_pow2(num_c)))
   cols = max(p.cx, cm.cdiv(num_c, block_c) * block_c)
-  x, ms, ls, nb = lookup_decode_raw(q, c2, n2, raw, scale=scale, groups=hs, cfg=lookup_cfg,
-                                    backend=backend, logits_cols=cols)
+  # level-2 counts from the offsets inside the kernel (no launch to form them)
+  x, ms, ls, nb = lookup_decode_raw(q, c2, offsets, raw, scale=scale, groups=hs, cfg=lookup_cfg,
+                                    backend=backend, logits_cols=cols, offsets_l=num_l)
   # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
   p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)

@@ -28,7 +28,9 @@ Decode: the level-2 kernel reads the level-1 kernel's raw block outputs and comp
 each of its rows' parent score itself (``Level1Raw``), so decode is two kernels plus
 the cheap final normalisation; each of its programs gathers the parents of its rows
 and loads only the rows whose parent survived (masked loads: no traffic for the
-rest).  Prefill is compute-bound, so skipping rows inside a block would save nothing:
+rest).  (``clustered_attention.clustered_decode_hierarchical`` runs the same two kernels with the
+level-2 one writing its logits for the attention kernel, which then normalises and votes.)
+Prefill is compute-bound, so skipping rows inside a block would save nothing:
 the candidates (in level-2 order) are gathered to the front of a per-head copy of the
 level-2 centroids and the same two passes run over them, stopping after the last one
 (``n_valid``); the scores are put back in level-2 order.
