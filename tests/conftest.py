@@ -21,3 +21,22 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"random seed: {seed} (SQJAX_TEST_SEED={RUN_SEED})")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program when a test module ends.
+
+    Each XLA:CPU executable keeps its JIT-compiled code in memory mappings of this process, and the
+    suite compiles thousands of programs (Pallas interpret-mode kernels above all). Kept until exit,
+    they hit Linux's per-process limit of 65,530 mappings (`vm.max_map_count`). At that limit the
+    next compilation segfaults; this happened at ~80% of the suite. Modules share few programs, so
+    recompiling them costs little.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
