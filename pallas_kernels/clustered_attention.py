@@ -947,6 +947,9 @@ def clustered_decode_hierarchical(
   hkv, _, d = k_sorted.shape
   num_c = offsets.shape[1] - 1
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
+  if parent.shape != (hkv, num_c):
+    raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
+                     f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
   _validate_tree(q, centroids1, counts1, centroids2, offsets[:, 1:], parent, threshold1, vote, (2,))
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)

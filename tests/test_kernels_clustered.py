@@ -820,7 +820,7 @@ def test_decode_hierarchical_validation(rng):
     b[i] = val
     return clustered_decode_hierarchical(*b, scale=0.2, backend="interpret")
 
-  with pytest.raises(ValueError, match=r"parent \[Hkv, C2\]"):
+  with pytest.raises(ValueError, match=r"need parent \[Hkv, C\] = \[2, 37\]"):
     call(7, tree["parent"][:, :-1])
   with pytest.raises(ValueError, match=r"c1 \[Hkv, C1, d\]"):
     call(4, tree["n1"][:, :-1])
