@@ -940,8 +940,9 @@ def clustered_decode_hierarchical(
   clusters with ``S2 > T2`` among the children of the level-1 survivors (``S1 >= T1``), the exact
   part and the visible new keys, attended exactly.  Equal to ``hierarchical_lookup_decode``
   followed by ``clustered_decode_selected``, in four launches instead of those two calls' ten
-  (profiler trace on an H200, benchmarks/results/gpu_h200_hierarchical/fused_decode_be805d6): the level-2 kernel hands its logits and block statistics to the attention kernel,
-  which normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
+  (profiler trace on an H200: benchmarks/results/gpu_h200_hierarchical/fused_decode_be805d6).
+  The level-2 kernel hands its logits and block statistics to the attention kernel, which
+  normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
   Returns o [Hq, d] in q's dtype."""
   hq = q.shape[0]
   hkv, _, d = k_sorted.shape
