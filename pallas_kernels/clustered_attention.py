@@ -943,7 +943,8 @@ def clustered_decode_hierarchical(
   (profiler trace on an H200: benchmarks/results/gpu_h200_hierarchical/fused_decode_be805d6).
   The level-2 kernel hands its logits and block statistics to the attention kernel, which
   normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
-  Returns o [Hq, d] in q's dtype."""
+  ``config`` tiles the attention kernel, ``lookup_config`` the two lookup kernels (with one
+  level-2 block per program whatever its ``level2_blocks``).  Returns o [Hq, d] in q's dtype."""
   hq = q.shape[0]
   hkv, _, d = k_sorted.shape
   num_c = offsets.shape[1] - 1
@@ -962,7 +963,9 @@ def clustered_decode_hierarchical(
   return _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
                                      threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, scale=scale,
                                      vote=vote, cfg=config or ClusteredConfig(),
-                                     lookup_cfg=lookup_config or CentroidLookupConfig(), backend=be)
+                                     # one level-2 block per program: the layout the attention kernel reads
+                                     lookup_cfg=dataclasses.replace(lookup_config or CentroidLookupConfig(),
+                                                                    level2_blocks=1), backend=be)
 
 
 def _check_vote_q_group(q, k_sorted, vote):

@@ -797,7 +797,7 @@ def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dt
   args = (x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
           jnp.float32(t1), jnp.float32(t2), x["kn"], x["vn"], x["qp"], x["kvp"])
   out = clustered_decode_hierarchical(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
-                                      lookup_config=CentroidLookupConfig(block_c=16))
+                                      lookup_config=CentroidLookupConfig(block_c=16, level2_blocks=2))
   ref = clustered_decode_hierarchical_reference(*args, scale=scale, vote=vote)
   assert out.dtype == x["q"].dtype and out.shape == x["q"].shape and not np.isnan(f64(out)).any()
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
