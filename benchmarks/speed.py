@@ -243,7 +243,7 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
         if lookup_only:
             return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote)[0]
         ks, vs, off = layout
-        level1 = (li.centroids1, li.counts1, li.counts, li.parent) if li.centroids1.shape[-2] else None
+        level1 = (li.centroids1, li.counts1, li.parent) if li.centroids1.shape[-2] else None
         return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
                                          method.vote, level1=level1, threshold1=index.threshold1)
 

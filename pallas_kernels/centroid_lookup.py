@@ -370,7 +370,7 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   int32 or None).  ``level1``: None, or a ``Level1Raw`` (level 2 of a hierarchical
   lookup: only rows whose parent survives are read, and ``live`` reports them).
 
-  ``logits_cols`` (level 2 only): instead, (x [G, R, logits_cols] scaled logits, MASK off the
+  ``logits_cols`` (level 2 only): instead, (x [G, R, >= logits_cols] scaled logits, MASK off the
   live rows, m, l [G, R, nBp] block statistics, nB): the inputs of the clustered attention
   kernel, which then forms Eq. 3 and votes itself.  ``offsets_l`` = L: ``counts`` is a
   cluster-contiguous layout's offsets [Hkv, C + 1] (rows in [0, L)), the counts their differences."""
@@ -387,15 +387,15 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   else:
     c_flat, n_flat = cm.pad_axis(centroids, 2, dp).reshape(hkv * num_c, dp), counts.reshape(-1)
   logits = logits_cols is not None
-  if logits and (level1 is None or blocks != 1 or logits_cols < nb * block_c):
-    raise ValueError(f"logits_cols is for level 2 with one block per program and >= {nb * block_c} columns")
+  if logits and (level1 is None or blocks != 1):
+    raise ValueError("logits_cols is for level 2 with one block per program")
   nbp = max(16, cm.next_pow2(nb))
   outs = [
       jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
       jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
       jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
   ] if not logits else [
-      jax.ShapeDtypeStruct((groups, r, logits_cols), jnp.float32),    # x
+      jax.ShapeDtypeStruct((groups, r, max(logits_cols, nb * block_c)), jnp.float32),   # x
       jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),            # m_b
       jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),            # l_b
   ]

@@ -581,11 +581,9 @@ def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_
   e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
                                     backend=backend)
   raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
-  block_c = min(lookup_cfg.block_c, max(16, cm.next_pow2(num_c)))
-  cols = max(p.cx, cm.cdiv(num_c, block_c) * block_c)
   # level-2 counts from the offsets inside the kernel (no launch to form them)
   x, ms, ls, nb = lookup_decode_raw(q, c2, offsets, raw, scale=scale, groups=hs, cfg=lookup_cfg,
-                                    backend=backend, logits_cols=cols, offsets_l=num_l)
+                                    backend=backend, logits_cols=p.cx, offsets_l=num_l)
   # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
   p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)
@@ -945,14 +943,14 @@ def clustered_decode_hierarchical(
   normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
   ``config`` tiles the attention kernel, ``lookup_config`` the two lookup kernels (with one
   level-2 block per program whatever its ``level2_blocks``).  Returns o [Hq, d] in q's dtype."""
-  hq = q.shape[0]
-  hkv, _, d = k_sorted.shape
+  hkv = k_sorted.shape[0]
   num_c = offsets.shape[1] - 1
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
   if parent.shape != (hkv, num_c):
     raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
                      f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
-  _validate_tree(q, centroids1, counts1, centroids2, offsets[:, 1:], parent, threshold1, vote, (2,))
+  counts2 = jax.ShapeDtypeStruct((hkv, num_c), jnp.int32)   # from the offsets: shapes only, for the shared checks
+  _validate_tree(q, centroids1, counts1, centroids2, counts2, parent, threshold1, vote, (2,))
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
