@@ -20,8 +20,9 @@ What it measures, in one process on one GPU (median of repeated runs after warm-
 4. A plot like the paper's Fig. 4: latency normalised to dense per sparsity.
 
 Keys: with --keys, keys/values/queries captured from the real model (SmolLM2, two 64-d heads
-concatenated to d=128) are tiled to the context length with a little noise, so per-head
-sparsity is realistic; otherwise Gaussian.
+concatenated to d=128; `python -m benchmarks.capture_keys` writes the default file on the CPU)
+are tiled to the context length with a little noise, so per-head sparsity is realistic;
+otherwise Gaussian.
 """
 
 from __future__ import annotations
@@ -1088,7 +1089,8 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
-    ap.add_argument("--keys", default=".scratch/captured/smollm2_qkv.npz")
+    ap.add_argument("--keys", default=".scratch/captured/smollm2_qkv.npz",
+                    help="captured keys (python -m benchmarks.capture_keys); Gaussian if the file is missing")
     ap.add_argument("--lengths", default="")
     ap.add_argument("--sparsities", default="")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: offline,kernels,e2e")
