@@ -495,6 +495,9 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                                     best_steady)
                     rows.append(r)
                     frac = frac or r.get("retrieved_frac")
+            if t == 1 and "squeezed" in built and sp in built["squeezed"][1] and time.perf_counter() <= deadline:
+                rows.append(_decode_calibrated_row(base, plan, log, built["squeezed"], sp, q_obs, qs, ctx,
+                                                   layouts.get("squeezed"), best, best_loop, best_unr, best_kern))
             if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
                 continue
             for name in ("quest", "saap"):
@@ -515,6 +518,40 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                 rows.append(_method_row({**base, "method": name, "sparsity": sp, "budget": label, "matched_frac": frac},
                                         plan, log, m, idx, qs, ctx, None, best, best_loop, best_unr))
     return rows
+
+
+def decode_threshold(index, q_obs, scale: float, vote: str, sparsity: float, backend: str, n_queries: int = 32) -> float:
+    """The global threshold calibrated on single queries: each of the first `n_queries` observation
+    queries scored alone (layer 0), as a decode step scores its query, pooled over queries and heads.
+
+    App. C (the library's calibration) averages S over the whole observation window; a single query's
+    S is peakier, so at that threshold a decode step keeps fewer keys than the nominal fraction (the
+    paper notes it, App. E), by how much depending on the keys. This threshold makes the timed decode
+    keep about 1 - sparsity of the keys, so that "90%" means what it says for a decode row."""
+    from sqjax import dispatch, squeezed
+    from sqjax.calibration import weighted_threshold
+
+    li = index.layer(0)
+    score = jax.jit(lambda q: squeezed.layer_scores(li, q, index.threshold1, scale, vote)[0])
+    with dispatch.using(backend):
+        s = np.stack([np.asarray(score(q_obs[0, :, j:j + 1])) for j in range(min(n_queries, q_obs.shape[2]))])
+    return weighted_threshold(s, li.counts, sparsity)
+
+
+def _decode_calibrated_row(base, plan, log, built, sp, q_obs, qs, ctx, layout, *best) -> dict:
+    """The 1-level decode row again, at the threshold `decode_threshold` gives (same clusters)."""
+    m, idx = built
+    row = {**base, "method": "squeezed", "sparsity": sp, "hierarchical": False, "decode_calibrated": True,
+           "budget": f"sparsity {sp}, 1-level, T calibrated on single queries",
+           "C": int(idx[sp].layers.centroids.shape[2]), "threshold_app_c": float(idx[sp].threshold)}
+    try:
+        row["threshold"] = decode_threshold(idx[sp], q_obs, 1.0 / math.sqrt(plan.d), m.vote, sp, plan.backend)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = _err(e)
+        log(f"[squeezed] L={base['L']} decode-calibrated threshold: ERROR {row['error']}")
+        return row
+    index = dataclasses.replace(idx[sp], threshold=jnp.float32(row["threshold"]))
+    return _method_row(row, plan, log, m, index, qs, ctx, layout, *best)
 
 
 def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict | None,
@@ -909,7 +946,8 @@ def to_markdown(res: dict) -> str:
             dk = r.get("dense_kernel_busy_ms") or {}
             best = min(dk.values(), default=None)
             busy = r.get("kernel_busy_ms")
-            md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['method']} | {_f(r.get('retrieved_frac'))} | "
+            md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['method']}{' (T on single queries)' if r.get('decode_calibrated') else ''} | "
+                      f"{_f(r.get('retrieved_frac'))} | "
                       f"{_f(r.get('lookup_kernel_busy_ms'), 4)} | "
                       f"{_f(busy, 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
                       f"{_f(best / busy if best and busy else None, 2, '×')} | "
@@ -958,6 +996,7 @@ def to_markdown(res: dict) -> str:
                + "; ".join(f"{g['ms']:.3f} ms `{g['after'][:24]}` → `{g['before'][:24]}`" for g in r["prefill_gaps"][:4])
                for r in pre if r.get("prefill_gaps")] + [""]
     pairs = [(a, b) for a in traced for b in traced if a["method"] == "squeezed" and b["method"] == "hsqueezed"
+             and not a.get("decode_calibrated")
              and (a["Hq"], a["Hkv"], a["L"], a["sparsity"]) == (b["Hq"], b["Hkv"], b["L"], b["sparsity"])
              and a.get("lookup_kernel_busy_ms") and b.get("lookup_kernel_busy_ms")]
     if pairs:
@@ -1058,7 +1097,7 @@ def plot(res: dict, path: Path) -> None:
 
     shape = list(res["plan"].get("shapes", [[res["plan"]["hq"], res["plan"]["hkv"]]])[0])
     rows = [r for r in res.get("kernels", []) if "total_ms" in r and r.get("dense_ms") and r.get("method") == "squeezed"
-            and [r["Hq"], r["Hkv"]] == shape]
+            and [r["Hq"], r["Hkv"]] == shape and not r.get("decode_calibrated")]
     if not rows:
         return
     length = max(r["L"] for r in rows)

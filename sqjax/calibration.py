@@ -40,3 +40,29 @@ def global_threshold(per_key_scores, sparsity: float) -> float:
 def retrieved_fraction(per_key_scores: jax.Array, threshold: float) -> jax.Array:
     """Fraction of keys with S > T along the last axis (per head)."""
     return jnp.mean((per_key_scores > threshold).astype(jnp.float32), axis=-1)
+
+
+def weighted_threshold(cluster_scores, counts, sparsity: float) -> float:
+    """`global_threshold` from cluster scores, each weighted by its cluster's size: the smallest
+    score T with at least a `sparsity` fraction of all keys at S <= T (the inverted-CDF quantile of
+    the per-key scores, in O(clusters) instead of O(keys)).
+
+    cluster_scores [..., Hs, C] (any leading axes: queries, layers); counts [Hkv, C] keys per
+    cluster, Hs a multiple of Hkv (a selection head reads its KV head's clusters).
+    """
+    check_fraction("sparsity", sparsity)
+    s = np.asarray(cluster_scores, np.float64)
+    n = np.asarray(counts, np.float64)
+    if s.ndim < 2 or n.ndim != 2 or s.shape[-1] != n.shape[-1] or s.shape[-2] % n.shape[0]:
+        raise ValueError(f"need cluster_scores [..., Hs, C] and counts [Hkv, C] with Hs a multiple of Hkv; "
+                         f"got {s.shape} and {n.shape}")
+    w = np.broadcast_to(np.repeat(n, s.shape[-2] // n.shape[0], axis=0), s.shape).reshape(-1)
+    s = s.reshape(-1)
+    keep = w > 0
+    s, w = s[keep], w[keep]
+    if s.size == 0:
+        raise ValueError("no key scores to calibrate on (every cluster is empty)")
+    order = np.argsort(s, kind="stable")
+    cum = np.cumsum(w[order])
+    i = int(np.searchsorted(cum, sparsity * cum[-1], side="left"))
+    return float(s[order][min(i, s.size - 1)])

@@ -276,3 +276,22 @@ def test_config_errors():
         cluster_scores(jnp.zeros((2, 1, 4)), jnp.zeros((1, 3, 8)), jnp.ones((1, 3), jnp.int32), 1.0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         cluster_scores(jnp.zeros((3, 1, 4)), jnp.zeros((2, 3, 4)), jnp.ones((2, 3), jnp.int32), 1.0)
+
+
+def test_weighted_threshold_is_the_per_key_quantile():
+    from sqjax.calibration import weighted_threshold
+
+    rng = np.random.default_rng(3)
+    hkv, g, c, lc = 2, 3, 40, 500
+    labels = rng.integers(0, c, size=(hkv, lc))
+    counts = np.stack([np.bincount(labels[h], minlength=c) for h in range(hkv)])
+    scores = rng.random((4, hkv * g, c)).astype(np.float32)   # 4 queries, Hs = Hq
+    per_key = np.stack([np.asarray(key_scores(jnp.asarray(s), jnp.asarray(labels))) for s in scores])
+    for sp in (0.1, 0.5, 0.9, 0.97):
+        t = weighted_threshold(scores, counts, sp)
+        assert t == pytest.approx(float(np.quantile(per_key, sp, method="inverted_cdf")), abs=0)
+        assert np.mean(per_key <= t) >= sp and np.mean(per_key < t) < sp
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        weighted_threshold(scores[:, :5], counts, 0.9)
+    with pytest.raises(ValueError, match="every cluster is empty"):
+        weighted_threshold(scores, np.zeros_like(counts), 0.9)

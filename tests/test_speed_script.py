@@ -4,6 +4,8 @@ big array captured as a compile-time constant (the GPU run would embed gigabytes
 
 import json
 import os
+
+import numpy as np
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +34,12 @@ def test_speed_decode_rows_cpu_smoke(tmp_path):
         assert x["speedup_vs_best_dense_loop"] == min(x["dense_loop_ms"].values()) / x["total_loop_ms"]
         assert x["total_unrolled_ms"] > 0 and x["dense_unrolled_ms"]
         assert x["speedup_vs_best_dense_unrolled"] == min(x["dense_unrolled_ms"].values()) / x["total_unrolled_ms"]
+    # the 1-level row again at the threshold calibrated on single queries (decode's own scores)
+    dc = [x for x in rows if x.get("decode_calibrated")]
+    assert len(dc) == 1 and dc[0]["method"] == "squeezed" and "single queries" in dc[0]["budget"]
+    assert np.isfinite(dc[0]["threshold"]) and np.isfinite(dc[0]["threshold_app_c"])
     md = (tmp_path / "speed.md").read_text()
-    assert "device time per call" in md
+    assert "device time per call" in md and "T calibrated on single queries" in md
     # the kernel-trace table (GPU only: a CPU trace has no device plane) renders from the row fields
     from benchmarks.speed import to_markdown
 
