@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -204,24 +205,16 @@ def cluster_level_up(
     child_centroids [..., C2, d] (means of un-normalised keys), child_counts [..., C2]
     -> (parent [..., C2] int32, centroids [..., C1, d] = count-weighted mean of the keys under
         each parent, counts [..., C1] = keys under each parent).
-    Empty children are clustered too (their rows are zero) but weigh nothing.
+    Only the non-empty children are clustered (`sqjax.sharding_kmeans.level_up`, batch entries
+    numbered in order); empty children get parent 0 and weigh nothing.
     """
+    from sqjax.sharding_kmeans import level_up
+
     check_rank("child_counts", child_counts, child_centroids.ndim - 1, "[..., C2]")
-    res = spherical_kmeans(child_centroids, cfg)
-    parent = res.labels
-    c1 = cfg.n_clusters
-    w = child_counts.astype(jnp.float32)
-
-    def per_head(cent, w_, par):
-        sums = jax.ops.segment_sum(cent * w_[:, None], par, num_segments=c1)
-        cnt = jax.ops.segment_sum(w_, par, num_segments=c1)
-        return sums / jnp.maximum(cnt, 1.0)[:, None], cnt.astype(jnp.int32)
-
+    if cfg.n_clusters > child_centroids.shape[-2]:
+        raise ValueError(f"more centroids than points: n_clusters={cfg.n_clusters} > N={child_centroids.shape[-2]} "
+                         f"(child centroids shape {tuple(child_centroids.shape)})")
     batch = child_centroids.shape[:-2]
-    f = lambda a, k: a.reshape((-1,) + a.shape[len(batch):])  # noqa: E731
-    cent1, cnt1 = jax.vmap(per_head)(
-        f(child_centroids.astype(jnp.float32), 0), f(w, 0), f(parent, 0)
-    )
-    cent1 = cent1.reshape(batch + cent1.shape[1:])
-    cnt1 = cnt1.reshape(batch + cnt1.shape[1:])
-    return parent, cent1, cnt1
+    ids = jnp.arange(math.prod(batch), dtype=jnp.uint32).reshape(batch)
+    return level_up(child_centroids, child_counts, jnp.uint32(cfg.seed), ids, n_clusters=cfg.n_clusters,
+                    max_iters=cfg.max_iters, chunk=cfg.chunk, init=cfg.init)
