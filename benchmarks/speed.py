@@ -495,9 +495,15 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                                     best_steady)
                     rows.append(r)
                     frac = frac or r.get("retrieved_frac")
-            if t == 1 and "squeezed" in built and sp in built["squeezed"][1] and time.perf_counter() <= deadline:
-                rows.append(_decode_calibrated_row(base, plan, log, built["squeezed"], sp, q_obs, qs, ctx,
-                                                   layouts.get("squeezed"), best, best_loop, best_unr, best_kern))
+            # the target rows again at their phase's own threshold: 1-level decode on single queries,
+            # hierarchical prefill on blocks of t queries (two draws apart from the timed ones)
+            name = "squeezed" if t == 1 else "hsqueezed"
+            if name in built and sp in built[name][1] and time.perf_counter() <= deadline:
+                blocks = ([q_obs[0, :, j:j + 1] for j in range(min(32, q_obs.shape[2]))] if t == 1 else
+                          [src.queries(t, seed=7_000_000 + 100 * t + j, n_heads=hq) for j in range(2)])
+                rows.append(_phase_calibrated_row(base, plan, log, name, built[name], sp, blocks, qs, ctx,
+                                                  layouts.get(name) if t == 1 else None, best, best_loop, best_unr,
+                                                  best_kern, best_steady))
             if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
                 continue
             for name in ("quest", "saap"):
@@ -520,37 +526,72 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
     return rows
 
 
-def decode_threshold(index, q_obs, scale: float, vote: str, sparsity: float, backend: str, n_queries: int = 32) -> float:
-    """The global threshold calibrated on single queries: each of the first `n_queries` observation
-    queries scored alone (layer 0), as a decode step scores its query, pooled over queries and heads.
+def phase_thresholds(index, q_blocks, scale: float, vote: str, sparsity: float, backend: str,
+                     level1_prune: float | None = None) -> tuple[float, float]:
+    """(T, T1) calibrated App. C's way but on blocks of the phase's size: each block's S averaged over
+    its own tokens (layer 0), the quantile taken over all keys of all blocks (`weighted_threshold`).
 
-    App. C (the library's calibration) averages S over the whole observation window; a single query's
-    S is peakier, so at that threshold a decode step keeps fewer keys than the nominal fraction (the
-    paper notes it, App. E), by how much depending on the keys. This threshold makes the timed decode
-    keep about 1 - sparsity of the keys, so that "90%" means what it says for a decode row."""
+    App. C (the library's calibration) averages S over the 100-token observation window. A single
+    decode query's S is peakier and a 4K-token prefill block's flatter, so at that one threshold a
+    decode step keeps fewer keys than nominal and a 4K prefill more (the paper notes both, App. E),
+    by how much depending on the keys. Blocks of one query give a decode threshold, blocks of T
+    queries a prefill one: at these, a row reads about 1 - sparsity of the keys. Hierarchical:
+    T1 first (`level1_prune` of the keys ruled out by their parent's score), then T2."""
     from sqjax import dispatch, squeezed
     from sqjax.calibration import weighted_threshold
+    from sqjax.squeezed import per_selection_head
 
     li = index.layer(0)
-    score = jax.jit(lambda q: squeezed.layer_scores(li, q, index.threshold1, scale, vote)[0])
+    t1 = float(index.threshold1)
     with dispatch.using(backend):
-        s = np.stack([np.asarray(score(q_obs[0, :, j:j + 1])) for j in range(min(n_queries, q_obs.shape[2]))])
-    return weighted_threshold(s, li.counts, sparsity)
+        if li.centroids1.shape[-2]:
+            s1 = jax.jit(lambda q: squeezed.cluster_scores(q, li.centroids1, li.counts1, scale, vote))
+            par = None
+            child = []
+            for qb in q_blocks:
+                s = s1(qb)                                                  # [Hs, C1]
+                par = per_selection_head(li.parent, s.shape[0]) if par is None else par
+                child.append(np.asarray(jnp.take_along_axis(s, par, axis=-1)))   # a child's parent score
+            t1 = weighted_threshold(np.stack(child), li.counts, level1_prune)
+        score = jax.jit(lambda q, t: squeezed.layer_scores(li, q, t, scale, vote)[0])
+        s = np.stack([np.asarray(score(qb, jnp.float32(t1))) for qb in q_blocks])
+    return weighted_threshold(s, li.counts, sparsity), t1
 
 
-def _decode_calibrated_row(base, plan, log, built, sp, q_obs, qs, ctx, layout, *best) -> dict:
-    """The 1-level decode row again, at the threshold `decode_threshold` gives (same clusters)."""
+def decode_threshold(index, q_obs, scale: float, vote: str, sparsity: float, backend: str, n_queries: int = 32) -> float:
+    """`phase_thresholds` on single queries (the first `n_queries` observation queries, each alone, as a
+    decode step scores its query), one level: the threshold at which a decode row keeps about
+    1 - sparsity of the keys."""
+    return phase_thresholds(index, [q_obs[0, :, j:j + 1] for j in range(min(n_queries, q_obs.shape[2]))], scale,
+                            vote, sparsity, backend)[0]
+
+
+def _recalibrated(r: dict) -> bool:
+    """A row timed again at its phase's own threshold (`phase_thresholds`)."""
+    return bool(r.get("decode_calibrated") or r.get("prefill_calibrated"))
+
+
+def _phase_calibrated_row(base, plan, log, name, built, sp, q_blocks, qs, ctx, layout, *best) -> dict:
+    """A Squeezed row again at the thresholds `phase_thresholds` gives on `q_blocks` (same clusters)."""
     m, idx = built
-    row = {**base, "method": "squeezed", "sparsity": sp, "hierarchical": False, "decode_calibrated": True,
-           "budget": f"sparsity {sp}, 1-level, T calibrated on single queries",
-           "C": int(idx[sp].layers.centroids.shape[2]), "threshold_app_c": float(idx[sp].threshold)}
+    t = base["T"]
+    hier = name == "hsqueezed"
+    row = {**base, "method": name, "sparsity": sp, "hierarchical": hier,
+           ("decode_calibrated" if t == 1 else "prefill_calibrated"): True,
+           "budget": f"sparsity {sp}, {2 if hier else 1}-level, T calibrated on "
+                     + ("single queries" if t == 1 else f"{t}-token blocks"),
+           "C": int(idx[sp].layers.centroids.shape[2]), "threshold_app_c": float(idx[sp].threshold),
+           "threshold1_app_c": float(idx[sp].threshold1)}
     try:
-        row["threshold"] = decode_threshold(idx[sp], q_obs, 1.0 / math.sqrt(plan.d), m.vote, sp, plan.backend)
+        row["threshold"], row["threshold1"] = phase_thresholds(
+            idx[sp], q_blocks, 1.0 / math.sqrt(plan.d), m.vote, sp, plan.backend,
+            getattr(m, "level1_prune", None))
     except Exception as e:  # noqa: BLE001
         row["error"] = _err(e)
-        log(f"[squeezed] L={base['L']} decode-calibrated threshold: ERROR {row['error']}")
+        log(f"[{name}] L={base['L']} {base['phase']} phase-calibrated threshold: ERROR {row['error']}")
         return row
-    index = dataclasses.replace(idx[sp], threshold=jnp.float32(row["threshold"]))
+    index = dataclasses.replace(idx[sp], threshold=jnp.float32(row["threshold"]),
+                                threshold1=jnp.float32(row["threshold1"]))
     return _method_row(row, plan, log, m, index, qs, ctx, layout, *best)
 
 
@@ -983,7 +1024,8 @@ def to_markdown(res: dict) -> str:
                "per call | host ms per call | dense cuDNN kernels ms | dense / span | largest kernels of the "
                "whole path (ms per call) | largest lookup kernels |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
-            md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['phase']} | {r['method']} | "
+            md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['phase']} | {r['method']}"
+                      f"{' (T on blocks)' if r.get('prefill_calibrated') else ''} | "
                       f"{_f(r.get('prefill_lookup_busy_ms'))} | {_f(r['prefill_busy_ms'])} | "
                       f"{_f(r.get('prefill_span_ms'))} | {_f(r.get('prefill_kernels_per_call'), 0)} | "
                       f"{_f(r.get('dispatch_ms'))} | {_f(r.get('dense_kernel_busy_ms', {}).get('cudnn'))} | "
@@ -996,7 +1038,7 @@ def to_markdown(res: dict) -> str:
                + "; ".join(f"{g['ms']:.3f} ms `{g['after'][:24]}` → `{g['before'][:24]}`" for g in r["prefill_gaps"][:4])
                for r in pre if r.get("prefill_gaps")] + [""]
     pairs = [(a, b) for a in traced for b in traced if a["method"] == "squeezed" and b["method"] == "hsqueezed"
-             and not a.get("decode_calibrated")
+             and not _recalibrated(a)
              and (a["Hq"], a["Hkv"], a["L"], a["sparsity"]) == (b["Hq"], b["Hkv"], b["L"], b["sparsity"])
              and a.get("lookup_kernel_busy_ms") and b.get("lookup_kernel_busy_ms")]
     if pairs:
@@ -1097,7 +1139,7 @@ def plot(res: dict, path: Path) -> None:
 
     shape = list(res["plan"].get("shapes", [[res["plan"]["hq"], res["plan"]["hkv"]]])[0])
     rows = [r for r in res.get("kernels", []) if "total_ms" in r and r.get("dense_ms") and r.get("method") == "squeezed"
-            and [r["Hq"], r["Hkv"]] == shape and not r.get("decode_calibrated")]
+            and [r["Hq"], r["Hkv"]] == shape and not _recalibrated(r)]
     if not rows:
         return
     length = max(r["L"] for r in rows)

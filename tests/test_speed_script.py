@@ -133,3 +133,39 @@ def test_stable_step_matches_forward_and_reuses_its_buffers():
     np.testing.assert_array_equal(np.asarray(cache2.k), np.asarray(ref_cache.k))
     assert int(cache2.length[0]) == 7
     assert tok.is_deleted() and pos.is_deleted()     # donated: the next step reuses their buffers
+
+
+def test_phase_thresholds_keep_the_nominal_fraction():
+    """Thresholds calibrated on blocks of the phase's size keep ~1 - sparsity of the keys on those
+    blocks (one and two levels), and the level-1 threshold rules out `level1_prune` of them."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.speed import phase_thresholds
+    from sqjax import squeezed
+    from sqjax.calibration import key_scores
+    from sqjax.methods import ContextData, HierarchicalSqueezed, Squeezed
+
+    rng = np.random.default_rng(5)
+    hkv, hq, length, d = 2, 4, 3000, 16
+    k = jnp.asarray(rng.normal(size=(1, hkv, length, d)), jnp.float32)
+    q_obs = jnp.asarray(rng.normal(size=(1, hq, 100, d)), jnp.float32)
+    data = ContextData(k, k, q_obs, k_pre=k, scale=1.0 / np.sqrt(d))
+    for method in (Squeezed(sparsity=0.8), HierarchicalSqueezed(sparsity=0.8, level1_prune=0.5)):
+        index = method.build(data)[0]
+        li = index.layer(0)
+        for t in (1, 64):
+            blocks = [jnp.asarray(rng.normal(size=(hq, t, d)), jnp.float32) for _ in range(6)]
+            thr, thr1 = phase_thresholds(index, blocks, 1.0 / np.sqrt(d), "kv", 0.8, "reference",
+                                         getattr(method, "level1_prune", None))
+            kept = [np.asarray(key_scores(squeezed.layer_scores(li, b, jnp.float32(thr1), 1.0 / np.sqrt(d), "kv")[0],
+                                          li.labels) > thr).mean() for b in blocks]
+            assert abs(np.mean(kept) - 0.2) < 0.01, (method.name, t, kept)
+            if li.centroids1.shape[-2]:
+                s1 = [squeezed.cluster_scores(b, li.centroids1, li.counts1, 1.0 / np.sqrt(d), "kv") for b in blocks]
+                ruled_out = [np.asarray(key_scores(jnp.take_along_axis(s, li.parent, axis=-1), li.labels) <= thr1).mean()
+                             for s in s1]
+                assert abs(np.mean(ruled_out) - 0.5) < 0.01
+            else:
+                assert thr1 == float(index.threshold1) == 0.0
+    jax.clear_caches()
