@@ -499,7 +499,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             # hierarchical prefill on blocks of t queries (two draws apart from the timed ones)
             name = "squeezed" if t == 1 else "hsqueezed"
             if name in built and sp in built[name][1] and time.perf_counter() <= deadline:
-                blocks = ([q_obs[0, :, j:j + 1] for j in range(min(32, q_obs.shape[2]))] if t == 1 else
+                blocks = (decode_blocks(q_obs) if t == 1 else
                           [src.queries(t, seed=7_000_000 + 100 * t + j, n_heads=hq) for j in range(2)])
                 rows.append(_phase_calibrated_row(base, plan, log, name, built[name], sp, blocks, qs, ctx,
                                                   layouts.get(name) if t == 1 else None, best, best_loop, best_unr,
@@ -539,31 +539,32 @@ def phase_thresholds(index, q_blocks, scale: float, vote: str, sparsity: float, 
     T1 first (`level1_prune` of the keys ruled out by their parent's score), then T2."""
     from sqjax import dispatch, squeezed
     from sqjax.calibration import weighted_threshold
-    from sqjax.squeezed import per_selection_head
 
     li = index.layer(0)
     t1 = float(index.threshold1)
+    # the layer's arrays are arguments, not closure constants (those would be baked into the program)
     with dispatch.using(backend):
         if li.centroids1.shape[-2]:
-            s1 = jax.jit(lambda q: squeezed.cluster_scores(q, li.centroids1, li.counts1, scale, vote))
-            par = None
-            child = []
-            for qb in q_blocks:
-                s = s1(qb)                                                  # [Hs, C1]
-                par = per_selection_head(li.parent, s.shape[0]) if par is None else par
-                child.append(np.asarray(jnp.take_along_axis(s, par, axis=-1)))   # a child's parent score
+            par = squeezed.per_selection_head(li.parent, squeezed.selection_heads(q_blocks[0].shape[0],
+                                                                                  li.parent.shape[0], vote))
+            s1 = jax.jit(lambda c1, n1, q: squeezed.cluster_scores(q, c1, n1, scale, vote))        # [Hs, C1]
+            child = [np.asarray(jnp.take_along_axis(s1(li.centroids1, li.counts1, qb), par, axis=-1))
+                     for qb in q_blocks]                                                    # a child's parent score
             t1 = weighted_threshold(np.stack(child), li.counts, level1_prune)
-        score = jax.jit(lambda q, t: squeezed.layer_scores(li, q, t, scale, vote)[0])
-        s = np.stack([np.asarray(score(qb, jnp.float32(t1))) for qb in q_blocks])
+        score = jax.jit(lambda li, q, t: squeezed.layer_scores(li, q, t, scale, vote)[0])
+        s = np.stack([np.asarray(score(li, qb, jnp.float32(t1))) for qb in q_blocks])
     return weighted_threshold(s, li.counts, sparsity), t1
 
 
+def decode_blocks(q_obs, n_queries: int = 32) -> list:
+    """The first `n_queries` observation queries, each alone ([Hq, 1, d]): blocks of a decode step."""
+    return [q_obs[0, :, j:j + 1] for j in range(min(n_queries, q_obs.shape[2]))]
+
+
 def decode_threshold(index, q_obs, scale: float, vote: str, sparsity: float, backend: str, n_queries: int = 32) -> float:
-    """`phase_thresholds` on single queries (the first `n_queries` observation queries, each alone, as a
-    decode step scores its query), one level: the threshold at which a decode row keeps about
-    1 - sparsity of the keys."""
-    return phase_thresholds(index, [q_obs[0, :, j:j + 1] for j in range(min(n_queries, q_obs.shape[2]))], scale,
-                            vote, sparsity, backend)[0]
+    """`phase_thresholds` on single queries (`decode_blocks`), one level: the threshold at which a
+    decode row keeps about 1 - sparsity of the keys."""
+    return phase_thresholds(index, decode_blocks(q_obs, n_queries), scale, vote, sparsity, backend)[0]
 
 
 def _recalibrated(r: dict) -> bool:

@@ -1,4 +1,5 @@
-"""Spherical k-means over a *masked* set of points (used per device by `sqjax.sharding`).
+"""Spherical k-means over a *masked* set of points (used per device by `sqjax.sharding`, and by
+both builds' level-up, which clusters only the non-empty level-2 clusters: `level_up`).
 
 Context parallelism clusters each device's slice of the fixed context on that device. The
 slices have one static shape, but the exact sink (first shard) and the exact tail (last shard)

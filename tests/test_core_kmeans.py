@@ -107,8 +107,9 @@ def test_errors():
 @pytest.mark.parametrize("init", ["kmeans++", "random"])
 def test_level_up_spends_no_cluster_on_empty_children(rng, init):
     # An empty child's centroid is a zero row, at the maximal D² from every centre: clustered as a
-    # point it drew k-means++ seeds and left ~40% of level 1 empty here (73% at 512K on the
-    # benchmark keys). Only non-empty children are clustered now.
+    # point it drew k-means++ seeds and left level-1 clusters empty (41-45% with 26% empty children:
+    # benchmarks/results/gpu_h200_capture_keys/empty_clusters_cpu; 73% at 512K on the benchmark
+    # keys). Only non-empty children are clustered now.
     c2, c1, d = 600, 120, 16
     cent = rng.normal(size=(2, c2, d)).astype(np.float32)
     cnt = rng.integers(1, 40, size=(2, c2)).astype(np.int32)
