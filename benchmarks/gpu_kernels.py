@@ -60,8 +60,7 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             clusters_to_indices, dense_attention_reference, dense_decode_attention,
                             gather_then_dense_attention,
                             hierarchical_lookup_decode, hierarchical_lookup_prefill,
-                            hierarchical_lookup_reference, hierarchical_scores, hierarchy_order,
-                            quest_decode_attention,
+                            hierarchical_lookup_reference, hierarchical_scores, quest_decode_attention,
                             quest_decode_attention_reference, quest_page_minmax,
                             quest_page_scores, quest_page_scores_reference, quest_select,
                             saap_attention, saap_attention_reference, sparse_attention,
@@ -305,7 +304,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
         err = max(err, float(np.abs(a[s_, :upto[s_]] - b[s_, :upto[s_]]).max(initial=0.0)))
     return err, {"rows_live": int(np.asarray(n).sum()), "cap_p": int(ko.shape[1])}
 
-  def hier_case(vote, prefill, parent_major, tree_order=False):
+  def hier_case(vote, prefill, parent_major):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     c1n = max(2, num_c // 5)
     parent = rng.integers(0, c1n, size=(hkv, num_c))
@@ -316,8 +315,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
     t1 = np.float32(0.5 / c1n)
     args = (q, c1, n1, x["cent"], x["ccnt"], parent, t1, np.float32(1.0 / num_c))
     f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
-    kw = {"tree": hierarchy_order(parent, x["ccnt"], c1n)} if tree_order else {}
-    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be, **kw)
+    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be)
     rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
     touched_diff = int(np.abs(np.asarray(nt) - np.asarray(rnt)).max())
     return rel_err(sc, rsc), {"n_touched_max_diff": touched_diff}
@@ -371,8 +369,6 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("hierarchical_lookup_prefill vote=q", lambda: hier_case("q", True, False), tl)
     check("hierarchical_lookup_decode vote=q", lambda: hier_case("q", False, False), tl)
     check("hierarchical_lookup_decode vote=kv parent-major", lambda: hier_case("kv", False, True), tl)
-    check("hierarchical_lookup_decode vote=kv tree order", lambda: hier_case("kv", False, False, True), tl)
-    check("hierarchical_lookup_decode vote=q tree order", lambda: hier_case("q", False, False, True), tl)
     check("quest scores + page-sparse decode", quest_case, ta)
     check("saap_attention decode", saap_case, ta)
   if plan.checks in ("full", "quick"):
@@ -489,7 +485,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"nan": nan}
 
-  def hier_decode_case(vote, tree_order=False):
+  def hier_decode_case(vote):
     """Hierarchical decode (level-2 logits handed to the attention kernel) vs the reference
     (hierarchical lookup, then attention over its selection): a random level-1 tree over the
     layout's clusters, T1 / T2 in gaps of the reference scores, unselected rows poisoned."""
@@ -520,8 +516,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     ks = jnp.where(jnp.asarray(used)[..., None], args[1], jnp.nan).astype(BF16)
     vs = jnp.where(jnp.asarray(used)[..., None], args[2], jnp.nan).astype(BF16)
     hargs = (q, ks, vs, b(c1), i32(n1), c2, offs, i32(parent), jnp.float32(t1), jnp.float32(t2), *args[6:])
-    kw = {"tree": hierarchy_order(i32(parent), i32(cnt), num_c1)} if tree_order else {}
-    out = clustered_decode_hierarchical(*hargs, scale=scale, vote=vote, backend=be, **kw)
+    out = clustered_decode_hierarchical(*hargs, scale=scale, vote=vote, backend=be)
     ref = clustered_decode_hierarchical_reference(*hargs, scale=scale, vote=vote)
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"nan": nan, "selected": int(sel.sum()),
@@ -531,12 +526,10 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
 
   check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
   check("clustered_decode_hierarchical vote=kv poisoned", lambda: hier_decode_case("kv"), 2e-2)
-  check("clustered_decode_hierarchical vote=kv tree order poisoned", lambda: hier_decode_case("kv", True), 2e-2)
   check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)
-  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the four above
+  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the three above
     check("clustered_decode vote=q poisoned", lambda: case("q", False), 2e-2)
     check("clustered_decode_hierarchical vote=q poisoned", lambda: hier_decode_case("q"), 2e-2)
-    check("clustered_decode_hierarchical vote=q tree order poisoned", lambda: hier_decode_case("q", True), 2e-2)
     check("clustered_decode_selected vote=kv poisoned", lambda: selected_case("kv"), 2e-2)
     if plan.checks == "full":
       check("clustered_prefill vote=q poisoned", lambda: case("q", True), 3e-2)

@@ -72,17 +72,11 @@ class DecodePlan:
                       (128, 4, 2, 2, False), (128, 4, 2, 4, False), (128, 4, 3, 4, False), (128, 4, 2, 2, True),
                       (128, 4, 2, 4, True), (64, 4, 2, 4, False), (64, 4, 3, 4, False), (64, 4, 2, 4, True),
                       (64, 4, 2, 8, False), (64, 2, 2, 8, True), (256, 8, 2, 2, True))
-    # the tree-order level-2 kernel (level 2 in HierarchyOrder: the candidates alone):
-    # (block_c, num_warps, num_stages, tree_rows, tree_splits)
-    tree_configs: tuple = ((128, 4, 2, 64, 2), (128, 4, 2, 64, 1), (128, 4, 2, 64, 4), (128, 4, 2, 32, 2),
-                           (128, 4, 2, 32, 4), (128, 4, 2, 128, 1), (128, 4, 2, 128, 2), (128, 4, 3, 64, 2),
-                           (128, 2, 2, 32, 4), (128, 8, 2, 128, 2), (64, 4, 2, 64, 2))
 
 
 def decode_cpu_plan() -> DecodePlan:
     return DecodePlan(length=4096, hq=4, hkv=2, d=32, reps=1, backend="interpret",
-                      configs=((16, 4, 2, 1, False), (32, 4, 2, 2, True), (16, 4, 2, 3, False)),
-                      tree_configs=((16, 4, 2, 16, 2),))
+                      configs=((16, 4, 2, 1, False), (32, 4, 2, 2, True), (16, 4, 2, 3, False)))
 
 
 def decode_inputs(plan: DecodePlan, seed: int = 0):
@@ -112,7 +106,7 @@ def decode_inputs(plan: DecodePlan, seed: int = 0):
 def run_decode(plan: DecodePlan, log=print) -> dict:
     from benchmarks._profile import kernel_time_per_call
     from pallas_kernels import (CentroidLookupConfig, centroid_lookup_decode, centroid_lookup_reference,
-                                hierarchical_lookup_decode, hierarchical_lookup_reference, hierarchy_order)
+                                hierarchical_lookup_decode, hierarchical_lookup_reference)
 
     t_start = time.perf_counter()
     x = decode_inputs(plan)
@@ -125,25 +119,18 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
     def rel(a, b):
         return float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
-    tree = hierarchy_order(x["parent"], x["n2"], x["c1"].shape[1])   # offline, once per index
     rows = []
-    cases = ([(c, None) for c in plan.configs]
-             + [((bc, w, st, 1, False), (rows_, splits)) for bc, w, st, rows_, splits in plan.tree_configs])
-    for (bc, w, st, blocks, unroll), tree_cfg in cases:
+    for bc, w, st, blocks, unroll in plan.configs:
         cfg = CentroidLookupConfig(block_c=bc, num_warps=w, num_stages=st, level2_blocks=blocks,
                                    level2_unroll=unroll)
-        if tree_cfg:
-            cfg = dataclasses.replace(cfg, tree_rows=tree_cfg[0], tree_splits=tree_cfg[1])
         row = {"block_c": bc, "num_warps": w, "num_stages": st, "level2_blocks": blocks, "level2_unroll": unroll,
-               "tree": tree_cfg, "default": cfg == CentroidLookupConfig()}
-        kw = {"tree": tree} if tree_cfg else {}
+               "default": cfg == CentroidLookupConfig()}
         variants = [("hierarchical", hierarchical_lookup_decode, h_args, refh)]
-        if blocks == 1 and not tree_cfg:  # the level-2 settings do not touch the 1-level kernel
+        if blocks == 1:  # the level-2 settings do not touch the 1-level kernel
             variants.insert(0, ("one_level", centroid_lookup_decode, o_args, ref1))
         for name, fn, args, ref in variants:
             try:
-                f = jax.jit(lambda *a, fn=fn, cfg=cfg, kw=kw: fn(*a, scale=x["scale"], backend=plan.backend,
-                                                                config=cfg, **kw))
+                f = jax.jit(lambda *a, fn=fn, cfg=cfg: fn(*a, scale=x["scale"], backend=plan.backend, config=cfg))
                 out = f(*args)
                 err = rel(out[1], ref)
                 ok = err < 2e-2
@@ -161,7 +148,7 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
         key = "busy_ms" if "one_level_busy_ms" in row else "ms"
         if f"hierarchical_{key}" in row and f"one_level_{key}" in row:
             row["ratio"] = row[f"hierarchical_{key}"] / row[f"one_level_{key}"]
-        log(f"block_c {bc}, {w} warps, {st} stages, {_level2_label(row)}: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
+        log(f"block_c {bc}, {w} warps, {st} stages, {blocks} level-2 blocks/program{' unrolled' if unroll else ''}: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
             f"{row.get('hierarchical_' + key, float('nan')):.4f} ms ({key}), ratio {row.get('ratio', float('nan')):.2f}"
             + "".join(f"; {k}: {v[:80]}" for k, v in row.items() if k.endswith("_error")))
         rows.append(row)
@@ -182,12 +169,6 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
     return res
 
 
-def _level2_label(r: dict) -> str:
-    if r.get("tree"):
-        return f"tree order, {r['tree'][0]} rows × {r['tree'][1]} splits"
-    return f"{r['level2_blocks']} level-2 blocks / program{' (unrolled)' if r['level2_unroll'] else ''}"
-
-
 def decode_to_markdown(res: dict) -> str:
     p, key = res["plan"], res["timing"]
     what = "kernel busy ms per call (profiler trace)" if key == "busy_ms" else "wall ms per call"
@@ -197,12 +178,12 @@ def decode_to_markdown(res: dict) -> str:
           f"bf16; T1 keeps {p['keep_parents']:.0%} of the level-1 clusters: centroid rows scored "
           f"{res['touched_ref_mean']:.0f} of {res['level2_rows']} (hierarchical / 1-level "
           f"{res['touched_ref_mean'] / res['level2_rows']:.2f}). Times: {what}, median of {p['reps']}.", "",
-          "| block_c | warps | stages | level 2 | 1-level ms | hierarchical ms | hierarchical / "
+          "| block_c | warps | stages | level-2 blocks / program | 1-level ms | hierarchical ms | hierarchical / "
           "fastest 1-level | 1-level err | hierarchical err | |", "|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in res["rows"]:
-        md.append(f"| {r['block_c']} | {r['num_warps']} | {r['num_stages']} | {_level2_label(r)} | "
-                  f"{r.get('one_level_' + key, nan):.4f} | "
+        md.append(f"| {r['block_c']} | {r['num_warps']} | {r['num_stages']} | {r['level2_blocks']}"
+                  f"{' (unrolled)' if r['level2_unroll'] else ''} | {r.get('one_level_' + key, nan):.4f} | "
                   f"{r.get('hierarchical_' + key, nan):.4f} | {r.get('ratio_vs_best_one_level', nan):.2f} | "
                   f"{r.get('one_level_err', nan):.1e} | {r.get('hierarchical_err', nan):.1e} | "
                   f"{'default' if r['default'] else ''}{' ' + r['hierarchical_error'][:60] if 'hierarchical_error' in r else ''} |")
@@ -210,7 +191,7 @@ def decode_to_markdown(res: dict) -> str:
         b1, bh = res["best_one_level"], res["best_hierarchical"]
         md += ["", f"Fastest 1-level: block_c {b1['block_c']}, {b1['num_warps']} warps, {b1['one_level_' + key]:.4f} ms; "
                    f"fastest hierarchical: block_c {bh['block_c']}, {bh['num_warps']} warps, {bh['num_stages']} stages, "
-                   f"{_level2_label(bh)}, "
+                   f"{bh['level2_blocks']} level-2 blocks per program{' (unrolled)' if bh['level2_unroll'] else ''}, "
                    f"{bh['hierarchical_' + key]:.4f} ms → {res['best_ratio']:.2f}× the fastest 1-level."]
         for k in bh.get("hierarchical_kernels", [])[:5]:
             md.append(f"- `{k['name']}` {k['ms_per_call']:.4f} ms per call")

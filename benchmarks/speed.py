@@ -241,16 +241,10 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
                                      qp, kp, scale=scale, n_sink=method.n_sink, n_recent=method.sizes(length)[1],
                                      backend=backend)[:, None]
         li = index.layer(0)
-        tree = tuple(layout[3:]) if layout is not None else ()  # hierarchical decode: the tree order (made once)
         if lookup_only:
-            if tree and backend != "reference":  # the two decode lookup kernels of the fused path
-                return pk.hierarchical_scores(q[:, 0], li.centroids1.astype(q.dtype), li.counts1,
-                                              li.centroids.astype(q.dtype), li.counts, li.parent,
-                                              jnp.asarray(index.threshold1, jnp.float32), scale=scale,
-                                              vote=method.vote, backend=backend, tree=tree[0])[0]
             return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote)[0]
-        ks, vs, off = layout[:3]
-        level1 = (li.centroids1, li.counts1, li.parent, *tree) if li.centroids1.shape[-2] else None
+        ks, vs, off = layout
+        level1 = (li.centroids1, li.counts1, li.parent) if li.centroids1.shape[-2] else None
         return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
                                          method.vote, level1=level1, threshold1=index.threshold1)
 
@@ -430,7 +424,7 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
 
 def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, i: int) -> list[dict]:
     """Every row of one (shape, fixed-context length): its arrays die when this returns."""
-    from pallas_kernels import cluster_sort_layout, hierarchy_order
+    from pallas_kernels import cluster_sort_layout
     from sqjax import dispatch
     from sqjax.methods import ContextData, HierarchicalSqueezed, Quest, Saap, Squeezed
 
@@ -468,10 +462,6 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             idx0 = next(iter(built[name][1].values()))
             layouts[name] = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
                                                 num_clusters=idx0.layers.counts.shape[-1])[:3]
-            if name == "hsqueezed":  # + the level-2 clusters in tree order, as attention_state makes them
-                li0 = idx0.layer(0)
-                layouts[name] += (hierarchy_order(li0.parent, jnp.diff(layouts[name][2], axis=-1),
-                                                  li0.centroids1.shape[-2]),)
     phases = [("decode", 1)] + [(f"prefill_{t // 1024}k" if t >= 1024 else f"prefill_{t}", t) for t in plan.prefill]
     phases = [p for p in phases if p[0].split("_")[0] in plan.phases]
     n_new = 1024 if not plan.cpu else 16

@@ -74,9 +74,6 @@ class CentroidLookupConfig:
     (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
     slower on an H200 at 512K (benchmarks/results/gpu_h200_hierarchical/decode_sweep_1f0414e);
     kept for sweeps on other GPUs.
-  tree_rows, tree_splits: the tree-order level-2 decode kernel (``hierarchical_lookup``, used
-    when a ``HierarchyOrder`` is given): candidate rows per tile (power of two >= 16) and
-    programs sharing one level-1 block's candidates (tiles dealt round-robin).
   """
   block_c: int = 128
   block_t: int = 64
@@ -90,8 +87,6 @@ class CentroidLookupConfig:
   level2_unroll: bool = False
   score_splits: int | None = None
   stats_splits: int | None = None
-  tree_rows: int = 64
-  tree_splits: int = 2
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -106,11 +101,8 @@ class CentroidLookupConfig:
       v = getattr(self, name)
       if v is not None and (not isinstance(v, int) or v < 1):
         raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-    for name in ("level2_blocks", "tree_splits"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    cm.check_pow2("tree_rows", self.tree_rows)
+    if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
+      raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
 
 
 _LOG2E = 1.4426950408889634
@@ -198,16 +190,14 @@ def _decode_kernel(q_ref,      # [Hq, d]
                    n_ref,      # [Hkv * C] int32
                    *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
                    scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False,
-                   logits=False, offsets_l=None, fill=None):
+                   logits=False, offsets_l=None):
   """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
   C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
   (computed here from the level-1 kernel's raw outputs) and the live rows are
   reported.  ``blocks`` > 1: a loop (``unroll``: written out) over that many blocks.
   ``logits``: write the scaled logits (MASK off the live rows) as x [G, R, Cx] and the block
   statistics as m, l [G, R, nBp] -- the layout the clustered attention kernel reads -- instead
-  of e, m, l [G, nB, R, ...] and the live rows.  ``fill`` = (Cx, W) (one level): also write MASK
-  over columns [pb * W, pb * W + W) of this group's rows of a last output x [G * R * Cx] (the
-  logits buffer the tree-order level-2 kernel fills in, ``hierarchical_lookup``)."""
+  of e, m, l [G, nB, R, ...] and the live rows."""
   grp = pl.program_id(0)
   pb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
@@ -220,14 +210,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
     live_ref = None if logits else refs[9]
     stats = _level1_stats(refs[:6], kv=kv, h0=grp * r, group=group, r=r, nb1=nb1, nb1p=nb1p)
   else:
-    (e_ref, m_ref, l_ref), live_ref = refs[:3], None
-  if fill is not None:
-    cx, width = fill
-    xi = (grp * r + hr)[:, None] * cx
-    for u in range(width // block_c):     # stores only: nothing waits on them
-      col = pb * width + u * block_c + jnp.arange(block_c, dtype=jnp.int32)
-      plgpu.store(refs[3].at[xi + col[None, :]], jnp.full((rp, block_c), cm.MASK_VALUE, jnp.float32),
-                  mask=hv[:, None] & (col < cx)[None, :])
+    (e_ref, m_ref, l_ref), live_ref = refs, None
 
   def one(cb):
     j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
@@ -394,7 +377,7 @@ class Level1Raw(NamedTuple):
 
 
 def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend, logits_cols=None,
-                      offsets_l=None, fill_cols=None):
+                      offsets_l=None):
   """The decode kernel: (e [G, nB, R, Bc], m [G, nB, R], l [G, nB, R], live [G, nB * Bc]
   int32 or None).  ``level1``: None, or a ``Level1Raw`` (level 2 of a hierarchical
   lookup: only rows whose parent survives are read, and ``live`` reports them).
@@ -402,9 +385,7 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   ``logits_cols`` (level 2 only): instead, (x [G, R, >= logits_cols] scaled logits, MASK off the
   live rows, m, l [G, R, nBp] block statistics, nB): the inputs of the clustered attention
   kernel, which then forms Eq. 3 and votes itself.  ``offsets_l`` = L: ``counts`` is a
-  cluster-contiguous layout's offsets [Hkv, C + 1] (rows in [0, L)), the counts their differences.
-  ``fill_cols`` = Cx (one level): also returns x [Hq * Cx] f32 filled with MASK, as a fifth output
-  (the logits buffer of ``hierarchical_lookup.tree_level2_decode``)."""
+  cluster-contiguous layout's offsets [Hkv, C + 1] (rows in [0, L)), the counts their differences."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
@@ -438,16 +419,10 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
              level1.m.reshape(-1), level1.l.reshape(-1), jnp.asarray(level1.t1, jnp.float32).reshape(1)]
     if not logits:
       outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
-  fill = None
-  if fill_cols is not None:
-    if level1 is not None or logits:
-      raise ValueError("fill_cols is for one level")
-    fill = (fill_cols, cm.cdiv(cm.cdiv(fill_cols, nb), block_c) * block_c)
-    outs.append(jax.ShapeDtypeStruct((hq * fill_cols,), jnp.float32))
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
       block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits,
-      offsets_l=offsets_l, fill=fill)
+      offsets_l=offsets_l)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb // blocks), out_shape=outs,
@@ -455,8 +430,6 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
   if logits:
     return (*res, nb)
-  if fill is not None:
-    return (*res[:3], None, res[3])
   return (*res, None) if len(res) == 3 else tuple(res)
 
 

@@ -75,8 +75,8 @@ from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, centroid_lookup_prefill,
                                             centroid_lookup_reference, lookup_decode_raw)
-from pallas_kernels.hierarchical_lookup import (HierarchyOrder, _validate as _validate_tree, _validate_order,
-                                                hierarchical_lookup_reference, tree_level2_decode)
+from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
+                                                hierarchical_lookup_reference)
 from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
@@ -568,27 +568,22 @@ def _attend_merge(p: _Plan, q, k, v, offsets, x, ms, ls, threshold, k_new, v_new
 
 def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_new, v_new, q_pos,
                                 kv_pos_new, *, scale, vote, cfg: ClusteredConfig,
-                                lookup_cfg: CentroidLookupConfig, backend, tree=None):
+                                lookup_cfg: CentroidLookupConfig, backend):
   """Hierarchical decode in four launches: the level-1 lookup kernel (Eq. 2, raw block
   outputs), the level-2 kernel writing Eq. 3's logits over the candidates (MASK elsewhere) and
   their block statistics in kernel B's layout, kernel B (which reduces those statistics, forms
-  S2, votes and attends to S2 > T2) and the merge.  With ``tree`` (a ``HierarchyOrder``) level 2
-  is the tree-order kernel, which visits the candidates alone.  -> o [Hq, d] in q's dtype."""
+  S2, votes and attends to S2 > T2) and the merge.  -> o [Hq, d] in q's dtype."""
   hq, d = q.shape
   hkv, num_l, _ = k.shape
   num_c = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote)
   p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg)
-  if tree is not None:
-    # level-2 counts from the offsets inside the kernel (no launch to form them)
-    x, ms, ls, nb, _ = tree_level2_decode(q, c1, n1, c2, offsets, t1, tree, scale=scale, groups=hs,
-                                          cfg=lookup_cfg, backend=backend, cols=p.cx, offsets_l=num_l)
-  else:
-    e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
-                                      backend=backend)
-    raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
-    x, ms, ls, nb = lookup_decode_raw(q, c2, offsets, raw, scale=scale, groups=hs, cfg=lookup_cfg,
-                                      backend=backend, logits_cols=p.cx, offsets_l=num_l)
+  e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
+                                    backend=backend)
+  raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
+  # level-2 counts from the offsets inside the kernel (no launch to form them)
+  x, ms, ls, nb = lookup_decode_raw(q, c2, offsets, raw, scale=scale, groups=hs, cfg=lookup_cfg,
+                                    backend=backend, logits_cols=p.cx, offsets_l=num_l)
   # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
   p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)
@@ -938,7 +933,6 @@ def clustered_decode_hierarchical(
     backend: str = "auto",
     config: ClusteredConfig | None = None,
     lookup_config: CentroidLookupConfig | None = None,
-    tree: HierarchyOrder | None = None,
 ):
   """Hierarchical Squeezed decode (Eq. 2-3) over the cluster-contiguous layout: the level-2
   clusters with ``S2 > T2`` among the children of the level-1 survivors (``S1 >= T1``), the exact
@@ -948,9 +942,7 @@ def clustered_decode_hierarchical(
   The level-2 kernel hands its logits and block statistics to the attention kernel, which
   normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
   ``config`` tiles the attention kernel, ``lookup_config`` the two lookup kernels (with one
-  level-2 block per program whatever its ``level2_blocks``).  ``tree``: ``hierarchy_order(parent,
-  counts2, C1)`` (counts2 from the offsets), made once per layout: level 2 then visits the
-  candidates alone (the tree-order kernel of ``hierarchical_lookup``).  Returns o [Hq, d] in q's dtype."""
+  level-2 block per program whatever its ``level2_blocks``).  Returns o [Hq, d] in q's dtype."""
   hkv = k_sorted.shape[0]
   num_c = offsets.shape[1] - 1
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
@@ -959,7 +951,6 @@ def clustered_decode_hierarchical(
                      f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
   counts2 = jax.ShapeDtypeStruct((hkv, num_c), jnp.int32)   # from the offsets: shapes only, for the shared checks
   _validate_tree(q, centroids1, counts1, centroids2, counts2, parent, threshold1, vote, (2,))
-  _validate_order(tree, centroids1, centroids2, q)
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
@@ -972,7 +963,7 @@ def clustered_decode_hierarchical(
                                      vote=vote, cfg=config or ClusteredConfig(),
                                      # one level-2 block per program: the layout the attention kernel reads
                                      lookup_cfg=dataclasses.replace(lookup_config or CentroidLookupConfig(),
-                                                                    level2_blocks=1), backend=be, tree=tree)
+                                                                    level2_blocks=1), backend=be)
 
 
 def _check_vote_q_group(q, k_sorted, vote):

@@ -121,11 +121,10 @@ def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new
     None (use the generic path) unless the backend is a Pallas one. One level: the kernel scores
     the centroids, attends to the selected clusters' contiguous row ranges plus the exact part
     and the new keys, and merges -- three launches, no index list, no capacity. Hierarchical
-    (`level1` = (centroids1, counts1, parent[, tree]) of the layer, `threshold1` = T1): the
+    (`level1` = (centroids1, counts1, parent) of the layer, `threshold1` = T1): the
     level-1 lookup kernel (Eq. 2), the level-2 kernel writing Eq. 3's logits over the survivors'
-    children (with `tree`, a `pallas_kernels.HierarchyOrder` made once per layout: the tree-order
-    kernel, which visits those children alone), and the same attention kernel normalising, voting
-    (S2 > T) and attending, then the merge -- four launches.
+    children, and the same attention kernel normalising, voting (S2 > T) and attending, then the
+    merge -- four launches.
     """
     b = resolved()
     if b == "reference":
@@ -137,10 +136,9 @@ def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new
         o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(dt), offsets, threshold,
                                        k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
         return o[:, None]
-    c1, n1, parent, *tree = level1  # level-2 counts: the kernels take them from the layout's offsets
+    c1, n1, parent = level1  # level-2 counts: the kernels take them from the layout's offsets
     f32 = jax.numpy.float32
     o = clustered_decode_hierarchical(q[:, 0], k_sorted, v_sorted, c1.astype(dt), n1, centroids.astype(dt), offsets,
                                       parent, jax.numpy.asarray(threshold1, f32), jax.numpy.asarray(threshold, f32),
-                                      k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b,
-                                      tree=tree[0] if tree else None)
+                                      k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
     return o[:, None]

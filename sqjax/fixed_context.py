@@ -113,14 +113,8 @@ def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool
         state["clustered"] = tuple((ks, vs, off, index.layer(i).centroids.astype(ks.dtype))
                                    for i, (ks, vs, off, _) in enumerate(sorted_kv))
         if index.layers.centroids1.shape[-2]:  # hierarchical
-            from pallas_kernels import hierarchy_order
-
-            # the level-2 clusters listed parent by parent, once: the tree-order level-2 kernel
-            # visits the candidates alone
-            state["level1"] = tuple(
-                (li.centroids1.astype(k.dtype), li.counts1, li.parent,
-                 hierarchy_order(li.parent, jnp.diff(off, axis=-1), li.centroids1.shape[-2]))
-                for li, (_, _, off, _) in zip((index.layer(i) for i in range(k.shape[0])), sorted_kv))
+            state["level1"] = tuple((li.centroids1.astype(k.dtype), li.counts1, li.parent)
+                                    for li in (index.layer(i) for i in range(k.shape[0])))
     return state
 
 

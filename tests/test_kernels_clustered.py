@@ -718,7 +718,7 @@ def test_gpu_script_clustered_checks():
   plan = gpu_kernels.Plan(backend="interpret", dense_impl="xla", checks="smoke",
                           check_scale="tiny")
   res = gpu_kernels.run_clustered_checks(plan, lambda m: None)
-  assert len(res) == 4                  # decode, hierarchical decode (both level-2 kernels), prefill
+  assert len(res) == 3
   assert all(c["status"] == "PASS" for c in res), res
 
 
@@ -777,23 +777,16 @@ def _tree_thresholds(x, meta, tree, scale, vote):
   return t1, pick_threshold(f64(s2), cand, **kw)
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,order", [(8, 2, "kv", jnp.float32, False), (8, 2, "q", jnp.float32, False),
-                                                       (3, 3, "kv", jnp.float32, False), (8, 2, "kv", BF, False),
-                                                       (8, 2, "q", BF, False), (8, 2, "kv", jnp.float32, True),
-                                                       (8, 2, "q", BF, True), (3, 3, "kv", BF, True)])
-def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dtype, order):
+@pytest.mark.parametrize("hq,hkv,vote,dtype", [(8, 2, "kv", jnp.float32), (8, 2, "q", jnp.float32),
+                                                 (3, 3, "kv", jnp.float32), (8, 2, "kv", BF), (8, 2, "q", BF)])
+def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dtype):
   """clustered_decode_hierarchical (level-2 logits -> attention kernel) == the hierarchical lookup's
   selection (Eq. 2-3, float64 brute force) attended exactly (brute force), with the rows no head
-  selects poisoned; and == its reference.  ``order``: level 2 in tree order (``HierarchyOrder``)."""
+  selects poisoned; and == its reference."""
   from pallas_kernels.clustered_attention import (clustered_decode_hierarchical,
                                                   clustered_decode_hierarchical_reference)
-  from pallas_kernels.hierarchical_lookup import hierarchy_order
   scale = 32 ** -0.5
   x, meta, tree = _tree_case(rng, hq=hq, hkv=hkv, dtype=dtype)
-  hier = (hierarchy_order(tree["parent"], jnp.asarray(meta["counts"], jnp.int32), tree["c1"].shape[1])
-          if order else None)
-  lcfg = (CentroidLookupConfig(block_c=16, tree_rows=16, tree_splits=2) if order
-          else CentroidLookupConfig(block_c=16, level2_blocks=2))
   t1, t2 = _tree_thresholds(x, meta, tree, scale, vote)
   from test_kernels_hierarchical_lookup import brute_hierarchical   # tests/ is on sys.path under pytest
   sel_np, _, _ = brute_hierarchical(f64(x["q"]), f64(tree["c1"]), tree["n1"], f64(tree["c2"]), meta["counts"],
@@ -804,14 +797,14 @@ def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dt
   args = (x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
           jnp.float32(t1), jnp.float32(t2), x["kn"], x["vn"], x["qp"], x["kvp"])
   out = clustered_decode_hierarchical(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
-                                      lookup_config=lcfg, tree=hier)
+                                      lookup_config=CentroidLookupConfig(block_c=16, level2_blocks=2))
   ref = clustered_decode_hierarchical_reference(*args, scale=scale, vote=vote)
   assert out.dtype == x["q"].dtype and out.shape == x["q"].shape and not np.isnan(f64(out)).any()
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
   assert rel(ref, o_np[:, 0]) < tol and rel(out, o_np[:, 0]) < tol
   # T1 above every level-1 score: no candidate, only the exact part and the new keys
   none = clustered_decode_hierarchical(*args[:8], jnp.float32(2.0), *args[9:], scale=scale, vote=vote,
-                                       backend="interpret", config=SMALL, lookup_config=lcfg, tree=hier)
+                                       backend="interpret", config=SMALL)
   o0, _, _ = brute(x, None, scale, vote, sel=np.zeros_like(sel_np))
   assert not np.isnan(f64(none)).any() and rel(none, o0[:, 0]) < tol
 
@@ -848,17 +841,3 @@ def test_decode_hierarchical_lowers(fake_h100):
       sds((HKV, num_c, D)), sds((HKV, num_c + 1), i32), sds((HKV, num_c), i32), sds((HKV, num_s, D)),
       sds((HKV, num_s, D)))
   assert len(fake_h100) == 4                       # level 1, level 2, attention, merge
-
-
-def test_decode_hierarchical_tree_order_lowers(fake_h100):
-  from pallas_kernels.clustered_attention import clustered_decode_hierarchical
-  from pallas_kernels.hierarchical_lookup import HierarchyOrder
-  num_l, num_c, num_c1, num_s = 524288, 26214, 5242, 1024
-  i32 = jnp.int32
-  _lower(lambda q, k, v, c1, n1, c2, o, par, kn, vn, order, lo: clustered_decode_hierarchical(
-      q, k, v, c1, n1, c2, o, par, jnp.float32(1e-4), jnp.float32(1e-4), kn, vn, jnp.zeros((1,), i32),
-      jnp.zeros((num_s,), i32), scale=D ** -0.5, backend="pallas", tree=HierarchyOrder(order, lo)),
-      sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c1, D)), sds((HKV, num_c1), i32),
-      sds((HKV, num_c, D)), sds((HKV, num_c + 1), i32), sds((HKV, num_c), i32), sds((HKV, num_s, D)),
-      sds((HKV, num_s, D)), sds((HKV, num_c), i32), sds((HKV, num_c1 + 1), i32))
-  assert len(fake_h100) == 4                       # level 1 (+ MASK fill), tree-order level 2, attention, merge

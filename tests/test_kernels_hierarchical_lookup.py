@@ -7,8 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels.centroid_lookup import CentroidLookupConfig, centroid_lookup_reference
 from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
-                                                hierarchical_lookup_reference, hierarchical_scores,
-                                                hierarchy_order)
+                                                hierarchical_lookup_reference, hierarchical_scores)
 
 def _eq1_rows(qh, cent, counts, allowed, scale):
   """Mean over tokens of Eq. 1 for one query head; qh [T, d]; allowed: set of ids."""
@@ -250,95 +249,3 @@ def test_prefill_statistics_splits(rng, stats_splits):
   _, rsc, rnt = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
   np.testing.assert_array_equal(nt, rnt)
   np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-8)
-
-
-# ----------------------------------------------------------------------------
-# Decode in tree order (HierarchyOrder): level 2 visits the candidates alone.
-# ----------------------------------------------------------------------------
-def test_hierarchy_order_lists_each_parents_nonempty_children(rng):
-  _, _, _, _, n2, parent = make_inputs(rng, 4, 2, 1, 7, 60, 16, jnp.float32)
-  parent = parent.at[0, :4].set(-1).at[1, 5:8].set(7)             # orphans: no parent
-  tree = hierarchy_order(parent, n2, 7)
-  order, lo = np.asarray(tree.order), np.asarray(tree.child_lo)
-  par, cnt = np.asarray(parent), np.asarray(n2)
-  assert order.dtype == lo.dtype == np.int32 and lo.shape == (2, 8)
-  for h in range(2):
-    assert sorted(order[h]) == list(range(60)) and lo[h, 0] == 0 and (np.diff(lo[h]) >= 0).all()
-    for p in range(7):
-      want = [i for i in range(60) if par[h, i] == p and cnt[h, i] > 0]   # level-2 order kept
-      assert list(order[h, lo[h, p]:lo[h, p + 1]]) == want
-    rest = set(order[h, lo[h, 7]:])
-    assert rest == {i for i in range(60) if not (0 <= par[h, i] < 7 and cnt[h, i] > 0)}
-
-
-TREE_CASES = [  # hq, hkv, C1, C2, d, dtype, vote, parent-major, tree_rows, tree_splits, block_c
-    (8, 2, 13, 90, 64, jnp.float32, "kv", False, 16, 2, 16),
-    (8, 2, 13, 90, 64, jnp.bfloat16, "q", True, 16, 1, 16),
-    (4, 4, 7, 40, 128, jnp.bfloat16, "kv", True, 32, 3, 16),
-    (8, 2, 40, 150, 32, jnp.float32, "kv", False, 16, 2, 16),        # three level-1 blocks
-    (6, 2, 21, 133, 48, jnp.float32, "q", False, 64, 1, 32),         # group of 3, ragged d
-]
-
-
-@pytest.mark.parametrize("hq,hkv,num_c1,num_c2,d,dtype,vote,major,rows,splits,block_c", TREE_CASES)
-def test_decode_tree_order_matches_reference(rng, hq, hkv, num_c1, num_c2, d, dtype, vote, major, rows, splits,
-                                             block_c):
-  """The tree-order level-2 kernel (candidates packed per level-1 block, tiles dealt to several
-  programs) gives the reference's scores, selection and centroids read, with orphans and empty
-  level-2 clusters present."""
-  q, c1, n1, c2, n2, parent = make_inputs(rng, hq, hkv, 1, num_c1, num_c2, d, dtype, major)
-  parent = parent.at[0, -3:].set(-1)
-  q = q[:, 0]
-  scale = d ** -0.5
-  t1, t2 = thresholds(q, c1, n1, vote, scale)
-  args = (q, c1, n1, c2, n2, parent, t1, t2)
-  cfg = CentroidLookupConfig(block_c=block_c, tree_rows=rows, tree_splits=splits)
-  sel, sc, nt = hierarchical_lookup_decode(*args, scale=scale, vote=vote, backend="interpret", config=cfg,
-                                           tree=hierarchy_order(parent, n2, num_c1))
-  rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
-  np.testing.assert_array_equal(nt, rnt)
-  assert (np.asarray(nt) < num_c1 + num_c2).all() and np.isfinite(np.asarray(sc)).all()
-  np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-7)
-  far = np.abs(np.asarray(rsc) - t2) > 1e-5 * float(np.max(rsc))
-  np.testing.assert_array_equal(np.asarray(sel)[far], np.asarray(rsel)[far])
-  got = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, backend="interpret",
-                            config=cfg, tree=hierarchy_order(parent, n2, num_c1))
-  ref = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, backend="reference")
-  np.testing.assert_array_equal(got[2], ref[2])                   # candidates
-  np.testing.assert_allclose(got[1], ref[1], rtol=3e-5, atol=1e-8)  # Eq. 2 scores
-
-
-@pytest.mark.parametrize("t1,want_cand", [(2.0, False), (-1.0, True)])
-def test_decode_tree_order_nothing_or_everything_kept(rng, t1, want_cand):
-  """T1 above every level-1 score: no candidate, scores 0 (never NaN); below: every non-empty
-  level-2 cluster is a candidate and Eq. 3 is Eq. 1."""
-  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 1, 9, 70, 32, jnp.float32)
-  q = q[:, 0]
-  sel, sc, nt = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, 0.0, scale=0.2, backend="interpret",
-                                           config=CentroidLookupConfig(block_c=16, tree_rows=16),
-                                           tree=hierarchy_order(parent, n2, 9))
-  if not want_cand:
-    assert not np.asarray(sel).any() and np.isfinite(np.asarray(sc)).all()
-    np.testing.assert_array_equal(sc, 0.0)
-    np.testing.assert_array_equal(nt, 9)
-  else:
-    _, osc = centroid_lookup_reference(q, c2, n2, 0.0, scale=0.2)
-    np.testing.assert_allclose(sc, osc, rtol=3e-5, atol=1e-8)
-    np.testing.assert_array_equal(nt, 9 + np.sum(np.asarray(n2) > 0, axis=1))
-
-
-def test_tree_order_validation(rng):
-  q, c1, n1, c2, n2, parent = make_inputs(rng, 4, 2, 3, 4, 20, 16, jnp.float32)
-  tree = hierarchy_order(parent, n2, 4)
-  with pytest.raises(ValueError, match=r"order \[Hkv, C2\] = \[2, 20\], child_lo \[Hkv, C1 \+ 1\] = \[2, 5\]"):
-    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, 0.0, 0.0, scale=1.0,
-                               tree=tree._replace(child_lo=tree.child_lo[:, :4]))
-  with pytest.raises(ValueError, match="tree.order must be int32"):
-    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, 0.0, 0.0, scale=1.0,
-                               tree=tree._replace(order=tree.order.astype(jnp.float32)))
-  with pytest.raises(ValueError, match="is for decode"):
-    hierarchical_scores(q, c1, n1, c2, n2, parent, 0.0, scale=1.0, tree=tree)
-  with pytest.raises(ValueError, match="tree_splits must be a positive int"):
-    CentroidLookupConfig(tree_splits=0)
-  with pytest.raises(ValueError, match="tree_rows"):
-    CentroidLookupConfig(tree_rows=24)

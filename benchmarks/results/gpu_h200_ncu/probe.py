@@ -32,8 +32,6 @@ def main():
     print("keys:", src.kind, flush=True)
     scale = 1.0 / math.sqrt(plan.d)
     k, v = src.kv(length, seed=length, n_heads=hkv)
-    jax.block_until_ready(k)
-    print("kv ok", flush=True)
     q_obs = src.queries(100, seed=length, n_heads=hq)[None]
     data = ContextData(k[None], v[None], q_obs, k_pre=k[None], scale=scale)
     from pallas_kernels import cluster_sort_layout
@@ -43,7 +41,6 @@ def main():
         with dispatch.using(be):
             idx = m.build(data)[0]
         jax.block_until_ready(idx)
-        print(f"index {m.name} ok", flush=True)
         lay = cluster_sort_layout(k, v, idx.layers.labels[0], idx.n_sink, idx.n_tail,
                                   num_clusters=idx.layers.counts.shape[-1])[:3]
         built[m.name] = (m, idx, lay)
