@@ -415,7 +415,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
   b = lambda x: jnp.asarray(x, BF16)
   i32 = lambda x: jnp.asarray(x, jnp.int32)
 
-  def inputs(vote, prefill):
+  def inputs(vote, prefill, poison=True):
     k = rng.normal(size=(hkv, num_l, d))
     v = rng.normal(size=(hkv, num_l, d))
     lab = np.asarray(synth_labels(jax.random.PRNGKey(int(rng.integers(1 << 30))), hkv,
@@ -440,6 +440,8 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     thr = gap_threshold(sc, np.repeat(cnt > 0, g_s, axis=0))
     args = [q if prefill else q[:, 0], ks, vs, b(cent), offs, jnp.float32(thr), b(kn), b(vn),
             i32(qp[-1:] if not prefill else qp), i32(kvp)]
+    if not poison:
+      return args
     # poison the rows no selection head of the group retrieves
     sel = np.asarray(sc) > thr
     used = np.zeros((hkv, num_l), bool)
@@ -488,8 +490,10 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
   def hier_decode_case(vote):
     """Hierarchical decode (level-2 logits handed to the attention kernel) vs the reference
     (hierarchical lookup, then attention over its selection): a random level-1 tree over the
-    layout's clusters, T1 / T2 in gaps of the reference scores, unselected rows poisoned."""
-    args = inputs(vote, False)
+    layout's clusters, T1 / T2 in gaps of the reference scores, the rows the hierarchical selection
+    leaves out poisoned (in clean K/V: the 1-level poisoning of ``inputs`` would also hide rows
+    that only the hierarchy selects)."""
+    args = inputs(vote, False, poison=False)
     q, offs = args[0], args[4]
     cnt = np.diff(np.asarray(offs), axis=1)
     c2 = b(np.nan_to_num(np.asarray(args[3], np.float32)))
