@@ -205,10 +205,10 @@ def cluster_level_up(
     child_centroids [..., C2, d] (means of un-normalised keys), child_counts [..., C2]
     -> (parent [..., C2] int32, centroids [..., C1, d] = count-weighted mean of the keys under
         each parent, counts [..., C1] = keys under each parent).
-    Only the non-empty children are clustered (`sqjax.sharding_kmeans.level_up`, batch entries
+    Only the non-empty children are clustered (`sqjax.masked_kmeans.level_up`, batch entries
     numbered in order); empty children get parent 0 and weigh nothing.
     """
-    from sqjax.sharding_kmeans import level_up
+    from sqjax.masked_kmeans import level_up
 
     check_rank("child_counts", child_counts, child_centroids.ndim - 1, "[..., C2]")
     if cfg.n_clusters > child_centroids.shape[-2]:

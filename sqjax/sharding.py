@@ -351,7 +351,7 @@ def cluster_counts(cfg: squeezed.SqueezedConfig, length: int, n_ctx: int) -> tup
 @functools.lru_cache(maxsize=None)
 def _cluster_fn(mesh: Mesh, n_ctx: int, hkv: int, slice_len: int, c2: int, c1: int, n_sink: int, n_obs: int,
                 iters: int, chunk: int):
-    from sqjax.sharding_kmeans import level_up, masked_spherical_kmeans
+    from sqjax.masked_kmeans import level_up, masked_spherical_kmeans
 
     def body(k, seed, layer0):  # k [G, Hkv_loc, Ls, d] on one device
         g, h_loc, _, d = k.shape

@@ -1,5 +1,6 @@
-"""Spherical k-means over a *masked* set of points (used per device by `sqjax.sharding`, and by
-both builds' level-up, which clusters only the non-empty level-2 clusters: `level_up`).
+"""Spherical k-means over a *masked* set of points: per device by `sqjax.sharding`, and by both
+builds' level-up, which clusters only the non-empty level-2 clusters (`level_up`, called by
+`sqjax.kmeans.cluster_level_up` and by the sharded build).
 
 Context parallelism clusters each device's slice of the fixed context on that device. The
 slices have one static shape, but the exact sink (first shard) and the exact tail (last shard)
