@@ -30,6 +30,8 @@ variants = {
 ref = None
 for name, (f, args) in variants.items():
     jf = jax.jit(f)
+    for _ in range(3):  # compile and autotune outside the trace
+        jax.block_until_ready(jf(*args))
     tr = kernel_time_per_call(jf, [args], top=4)
     print(f"[{os.environ.get('XLA_FLAGS', '')}] {name}: {tr['busy_ms_per_call'] * 1e3:.1f} us;"
           f" {[(k['name'], round(k['ms_per_call'] * 1e3, 1)) for k in tr['kernels']]}", flush=True)
