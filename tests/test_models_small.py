@@ -425,3 +425,24 @@ def test_kv_cache_rewind():
     assert c.rewind(0) is c and np.asarray(c.rewind(5).length).tolist() == [0, 0]
     with pytest.raises(ValueError, match="n >= 0"):
         c.rewind(-1)
+
+
+@pytest.mark.parametrize("bias,dtype", [(False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16)])
+def test_fused_qkv_projection_equals_the_three_linears(bias, dtype):
+    """`Attention.project` (one product over the Q, K, V kernels side by side) gives what the three
+    `nnx.Linear` layers give, biases (Qwen2-style) and bf16 included."""
+    from models.llama import Attention
+    import dataclasses
+
+    cfg = dataclasses.replace(TINY, attention_bias=bias)
+    att = Attention(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(3))
+    if bias:
+        for lin in (att.q_proj, att.k_proj, att.v_proj):
+            lin.bias[...] = jnp.asarray(np.random.default_rng(4).normal(size=lin.bias[...].shape), dtype)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, TINY.hidden_size)), dtype)
+    q, k, v = att.project(x)
+    assert q.shape == (2, 3, 4, 16) and k.shape == v.shape == (2, 3, 2, 16) and q.dtype == dtype
+    for got, lin, h in ((q, att.q_proj, 4), (k, att.k_proj, 2), (v, att.v_proj, 2)):
+        want = np.asarray(lin(x).reshape(2, 3, h, 16), np.float32)
+        tol = 1e-6 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * float(np.abs(want).max()))
