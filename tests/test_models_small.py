@@ -446,3 +446,13 @@ def test_fused_qkv_projection_equals_the_three_linears(bias, dtype):
         want = np.asarray(lin(x).reshape(2, 3, h, 16), np.float32)
         tol = 1e-6 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * float(np.abs(want).max()))
+
+
+def test_fused_gate_up_equals_the_two_linears():
+    """`MLP.__call__` (gate and up from one product) gives down(silu(gate(x)) * up(x))."""
+    from models.llama import MLP
+
+    mlp = MLP(TINY, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(6))
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 5, TINY.hidden_size)), jnp.float32)
+    want = mlp.down_proj(jax.nn.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    np.testing.assert_allclose(np.asarray(mlp(x)), np.asarray(want), rtol=1e-5, atol=1e-6)

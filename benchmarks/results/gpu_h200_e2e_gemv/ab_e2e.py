@@ -3,7 +3,10 @@ context, Squeezed vs full attention) with the Q/K/V projections as three `nnx.Li
 (before) and as one product over the kernels side by side (`models.llama.Attention.project` now),
 in one process, before first.
 
-    PYTHONPATH=. python benchmarks/results/gpu_h200_e2e_gemv/ab_e2e.py OUT_DIR
+    PYTHONPATH=. python benchmarks/results/gpu_h200_e2e_gemv/ab_e2e.py OUT_DIR [mlp]
+
+With `mlp`: the same A/B for the MLP's gate and up (two `nnx.Linear` products before, one product
+over both kernels now, `models.llama.MLP`), the projections as now in both runs.
 """
 import json
 import sys
@@ -13,9 +16,14 @@ import jax
 
 from benchmarks import speed
 from benchmarks._meta import metadata
-from models.llama import Attention
+from models.llama import MLP, Attention
 
 fused = Attention.project
+fused_mlp = MLP.__call__
+
+
+def two_linears(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def three_linears(self, x):
@@ -30,8 +38,11 @@ def main():
     plan = speed.Plan()
     src = speed.KeySource(".scratch/captured/smollm2_qkv.npz", plan)
     res = {"meta": metadata(), "runs": {}}
-    for label, fn in (("three_linears", three_linears), ("fused_qkv", fused)):
-        Attention.project = fn
+    mlp = sys.argv[2:] == ["mlp"]
+    runs = ((("two_linears", MLP, "__call__", two_linears), ("fused_gate_up", MLP, "__call__", fused_mlp)) if mlp
+            else (("three_linears", Attention, "project", three_linears), ("fused_qkv", Attention, "project", fused)))
+    for label, cls, attr, fn in runs:
+        setattr(cls, attr, fn)
         jax.clear_caches()
         e = speed.end_to_end(plan, src, lambda m: print(m, flush=True), None)
         res["runs"][label] = e
@@ -43,7 +54,7 @@ def main():
                   f"{r.get('tokens_per_s_pipelined_stable', float('nan')):.1f} tokens/s, "
                   f"busy {r.get('profile', {}).get('busy_ms_per_token', float('nan')):.3f} ms/token, "
                   f"ttft {r.get('ttft_s', float('nan')) * 1e3:.1f} ms", flush=True)
-        (out / "ab_e2e.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / ("ab_e2e_mlp.json" if mlp else "ab_e2e.json")).write_text(json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":
