@@ -53,10 +53,15 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(self.dtype) * y.astype(self.dtype)).astype(self.dtype)
 
 
-def _linears_side_by_side(x, lins):
-    """What each `nnx.Linear` in `lins` (same input, same dtypes) gives for x [..., D], from one
-    product over their kernels concatenated along the output axis: XLA on GPU fuses the
-    concatenation into one GEMM. -> a tuple of [..., N_i]."""
+def _linears_side_by_side(x, lins, fused: bool | None = None):
+    """What each `nnx.Linear` in `lins` (same input, same dtypes) gives for x [..., D] -> a tuple of
+    [..., N_i]. `fused`: from one product over their kernels concatenated along the output axis.
+    None = on GPU only: there XLA fuses the concatenation into one GEMM; on CPU it copies the
+    kernels on every call (SmolLM2-135M decode on 2 cores: ~100 instead of ~25 ms per token)."""
+    if fused is None:
+        fused = jax.default_backend() == "gpu"
+    if not fused:
+        return tuple(lin(x) for lin in lins)
     first = lins[0]
     kernel = jnp.concatenate([lin.kernel[...] for lin in lins], axis=1)
     bias = jnp.concatenate([lin.bias[...] for lin in lins]) if first.bias is not None else None
@@ -86,9 +91,9 @@ class Attention(nnx.Module):
     def project(self, x):
         """x [B, T, D] -> q_pre [B, T, Hq, d], k_pre [B, T, Hkv, d], v [B, T, Hkv, d] (pre-RoPE).
 
-        One product over the three kernels side by side (what the three `nnx.Linear` calls compute,
-        same dtype promotion): for a single token XLA on GPU lowers a product as narrow as K's or
-        V's to a reduction at ~0.5 TB/s, and fuses the concatenation into one GEMM instead
+        On GPU one product over the three kernels side by side (what the three `nnx.Linear` calls
+        compute, same dtype promotion): for a single token XLA on GPU lowers a product as narrow as
+        K's or V's to a reduction at ~0.5 TB/s, and fuses the concatenation into one GEMM instead
         (Llama-3-8B size on an H200: 13.4 vs 42.4 us per layer, benchmarks/results/gpu_h200_e2e_gemv).
         """
         B, T, _ = x.shape
@@ -111,8 +116,8 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Linear(config.intermediate_size, config.hidden_size, **lin)
 
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
-        """Gate and up as one product over their kernels side by side (as `nnx.Linear` computes each;
-        for one token on an H200 at Llama-3-8B size 55.8 vs 59.2 us, benchmarks/results/gpu_h200_e2e_gemv)."""
+        """On GPU gate and up as one product over their kernels side by side (as `nnx.Linear` computes
+        each; one token on an H200 at Llama-3-8B size: 55.8 vs 59.2 us, benchmarks/results/gpu_h200_e2e_gemv)."""
         gate, up = _linears_side_by_side(x, (self.gate_proj, self.up_proj))
         return self.down_proj(jax.nn.silu(gate) * up)
 

@@ -429,8 +429,8 @@ def test_kv_cache_rewind():
 
 @pytest.mark.parametrize("bias,dtype", [(False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16)])
 def test_fused_qkv_projection_equals_the_three_linears(bias, dtype):
-    """`Attention.project` (one product over the Q, K, V kernels side by side) gives what the three
-    `nnx.Linear` layers give, biases (Qwen2-style) and bf16 included."""
+    """`Attention.project` (on GPU one product over the Q, K, V kernels side by side) gives what the
+    three `nnx.Linear` layers give, biases (Qwen2-style) and bf16 included, on both paths."""
     from models.llama import Attention
     import dataclasses
 
@@ -439,20 +439,30 @@ def test_fused_qkv_projection_equals_the_three_linears(bias, dtype):
     if bias:
         for lin in (att.q_proj, att.k_proj, att.v_proj):
             lin.bias[...] = jnp.asarray(np.random.default_rng(4).normal(size=lin.bias[...].shape), dtype)
+    from models.llama import _linears_side_by_side
+
     x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, TINY.hidden_size)), dtype)
-    q, k, v = att.project(x)
+    q, k, v = att.project(x)                     # the backend's choice (CPU here: separate products)
     assert q.shape == (2, 3, 4, 16) and k.shape == v.shape == (2, 3, 2, 16) and q.dtype == dtype
-    for got, lin, h in ((q, att.q_proj, 4), (k, att.k_proj, 2), (v, att.v_proj, 2)):
+    fq, fk, fv = _linears_side_by_side(x, (att.q_proj, att.k_proj, att.v_proj), fused=True)   # the GPU path
+    assert fq.shape == (2, 3, 64) and fk.shape == fv.shape == (2, 3, 32) and fq.dtype == dtype
+    for got, fgot, lin, h in ((q, fq, att.q_proj, 4), (k, fk, att.k_proj, 2), (v, fv, att.v_proj, 2)):
         want = np.asarray(lin(x).reshape(2, 3, h, 16), np.float32)
         tol = 1e-6 if dtype == jnp.float32 else 2e-2
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * float(np.abs(want).max()))
+        for g in (got, fgot.reshape(2, 3, h, 16)):
+            np.testing.assert_allclose(np.asarray(g, np.float32), want, rtol=tol, atol=tol * float(np.abs(want).max()))
 
 
 def test_fused_gate_up_equals_the_two_linears():
-    """`MLP.__call__` (gate and up from one product) gives down(silu(gate(x)) * up(x))."""
+    """`MLP.__call__` (on GPU gate and up from one product) gives down(silu(gate(x)) * up(x)), on both paths."""
     from models.llama import MLP
 
     mlp = MLP(TINY, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(6))
     x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 5, TINY.hidden_size)), jnp.float32)
     want = mlp.down_proj(jax.nn.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     np.testing.assert_allclose(np.asarray(mlp(x)), np.asarray(want), rtol=1e-5, atol=1e-6)
+    from models.llama import _linears_side_by_side
+
+    gate, up = _linears_side_by_side(x, (mlp.gate_proj, mlp.up_proj), fused=True)   # the GPU path
+    np.testing.assert_allclose(np.asarray(mlp.down_proj(jax.nn.silu(gate) * up)), np.asarray(want),
+                               rtol=1e-5, atol=1e-6)
