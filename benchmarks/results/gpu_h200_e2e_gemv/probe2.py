@@ -1,11 +1,19 @@
 """Batch-1 Q/K/V projection variants on the GPU (kernel busy time per call, profiler trace):
 XLA turns a [1, 4096] x [4096, 1024] dot into a reduce fusion at ~0.5 TB/s while [4096, 4096] runs
-as a GEMM at ~4 TB/s (probe.py). Run twice, with and without XLA_FLAGS, by run_probe2.sh."""
+as a GEMM at ~4 TB/s (probe.py). Run twice, with and without XLA_FLAGS, by run_probe2.sh; each run
+adds its rows to OUT_DIR/probe2.json.
+
+    PYTHONPATH=. python benchmarks/results/gpu_h200_e2e_gemv/probe2.py OUT_DIR
+"""
+import json
 import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks._meta import metadata
 from benchmarks._profile import kernel_time_per_call
 
 BF16 = jnp.bfloat16
@@ -27,11 +35,17 @@ variants = {
         lambda x, wq, wk, wv: x @ jnp.concatenate([wq, wk, wv], axis=1), (x, wq, wk, wv)),
     "one dot over a stored [D, 6144]": (lambda x, w: x @ w, (x, wqkv)),
 }
-ref = None
+out = Path(sys.argv[1]) / "probe2.json"
+res = json.loads(out.read_text()) if out.exists() else {"meta": metadata(), "rows": []}
 for name, (f, args) in variants.items():
     jf = jax.jit(f)
     for _ in range(3):  # compile and autotune outside the trace
         jax.block_until_ready(jf(*args))
     tr = kernel_time_per_call(jf, [args], top=4)
-    print(f"[{os.environ.get('XLA_FLAGS', '')}] {name}: {tr['busy_ms_per_call'] * 1e3:.1f} us;"
-          f" {[(k['name'], round(k['ms_per_call'] * 1e3, 1)) for k in tr['kernels']]}", flush=True)
+    row = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "variant": name, "busy_us": tr["busy_ms_per_call"] * 1e3,
+           "kernels": [(k["name"], k["ms_per_call"] * 1e3) for k in tr["kernels"]],
+           "shapes": {"x": list(x.shape), "wq": list(wq.shape), "wk": list(wk.shape)}, "dtype": "bfloat16"}
+    res["rows"].append(row)
+    print(f"[{row['xla_flags']}] {name}: {row['busy_us']:.1f} us;"
+          f" {[(k, round(v, 1)) for k, v in row['kernels']]}", flush=True)
+out.write_text(json.dumps(res, indent=1))
