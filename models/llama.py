@@ -58,7 +58,7 @@ def _linears_side_by_side(x, lins, fused: bool | None = None):
     """What each `nnx.Linear` in `lins` (same input, same dtypes) gives for x [..., D] -> a tuple of
     [..., N_i]. `fused`: from one product over their kernels concatenated along the output axis.
     None = on GPU only: there XLA fuses the concatenation into one GEMM; on CPU it copies the
-    kernels on every call (SmolLM2-135M decode on 2 cores: ~100 instead of ~25 ms per token)."""
+    kernels on every call (SmolLM2-135M decode on 2 cores: ~120 instead of ~28 ms per token, cpu_ab.json)."""
     if fused is None:
         fused = jax.default_backend() == "gpu"
     if not fused:
@@ -92,7 +92,7 @@ class Attention(nnx.Module):
         On GPU one product over the three kernels side by side (what the three `nnx.Linear` calls
         compute, same dtype promotion): for a single token XLA on GPU lowers a product as narrow as
         K's or V's to a reduction at ~0.5 TB/s, and fuses the concatenation into one GEMM instead
-        (Llama-3-8B size on an H200: 13.4 vs 42.4 us per layer, benchmarks/results/gpu_h200_e2e_gemv).
+        (Llama-3-8B size on an H200: 13.0 vs 43.2 us per layer, benchmarks/results/gpu_h200_e2e_gemv/probe2.json).
         """
         B, T, _ = x.shape
         q, k, v = _linears_side_by_side(x, (self.q_proj, self.k_proj, self.v_proj))
@@ -115,7 +115,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
         """On GPU gate and up as one product over their kernels side by side (as `nnx.Linear` computes
-        each; one token on an H200 at Llama-3-8B size: 55.8 vs 59.2 us, benchmarks/results/gpu_h200_e2e_gemv)."""
+        each; one token on an H200 at Llama-3-8B size: 54.7 vs 58.8 us, benchmarks/results/gpu_h200_e2e_gemv/probe3.json)."""
         gate, up = _linears_side_by_side(x, (self.gate_proj, self.up_proj))
         return self.down_proj(jax.nn.silu(gate) * up)
 
