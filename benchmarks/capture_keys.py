@@ -75,8 +75,7 @@ def capture(model_name: str = "smollm2-135m", n_tokens: int = 4096, n_queries: i
     cache = m.new_cache(1, n_tokens)
     pos = jnp.arange(n_tokens, dtype=jnp.int32)[None]
     _, cache, caps = m.forward(jnp.asarray(ids[None]), pos, cache, capture_last=n_queries, logits="none")
-    k_layers = np.asarray(cache.k[:, 0], np.float32)                                # [nL, Hkv, T, d]
-    v_layers = np.asarray(cache.v[:, 0], np.float32)
+    k_layers, v_layers = (np.asarray(x[:, 0], np.float32) for x in cache.stacked())  # [nL, Hkv, T, d]
     q_layers = np.stack([np.asarray(c["q"][0], np.float32).transpose(1, 0, 2) for c in caps])  # [nL, Hq, Tq, d]
     group_src = m.config.num_heads // m.config.num_kv_heads
     k, v, q = assemble(k_layers, v_layers, q_layers, group_src)

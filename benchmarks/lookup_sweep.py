@@ -320,6 +320,30 @@ def to_markdown(res: dict) -> str:
     return "\n".join(md) + "\n"
 
 
+def parse_grid(text: str, base: tuple) -> tuple:
+    """``--grid`` JSON -> the plan's grid: ((field, values), ...), the given fields replacing
+    ``base``'s. Unknown fields or empty value lists are errors that name them."""
+    import json
+
+    from pallas_kernels.centroid_lookup import CentroidLookupConfig
+
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--grid is not JSON ({e}): {text!r}") from None
+    fields = {f.name for f in dataclasses.fields(CentroidLookupConfig)}
+    if not isinstance(given, dict) or set(given) - fields:
+        raise SystemExit(f"--grid must map fields of CentroidLookupConfig ({', '.join(sorted(fields))}) "
+                         f"to lists of values; got {text!r}")
+    out = dict(base)
+    for k, v in given.items():
+        v = v if isinstance(v, list) else [v]
+        if not v:
+            raise SystemExit(f"--grid: no values for {k}")
+        out[k] = tuple(v)
+    return tuple(out.items())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -328,6 +352,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=0.0)
     ap.add_argument("--decode", action="store_true", help="the decode lookup: 1-level vs hierarchical")
+    ap.add_argument("--grid", default="", help='prefill tilings instead of the default grid, as JSON: '
+                    '{"block_t": [128, 256], "num_warps": [4, 8], ...} (fields of CentroidLookupConfig; '
+                    'fields left out keep the default grid\'s values)')
     args = ap.parse_args(argv)
     if args.decode:
         return _main_decode(args)
@@ -341,6 +368,8 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, tokens=args.tokens)
     if args.budget_s:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    if args.grid:
+        plan = dataclasses.replace(plan, grid=parse_grid(args.grid, plan.grid))
     try:
         res = run(plan, log=lambda m: print(m, flush=True))
     except Exception:  # noqa: BLE001

@@ -307,7 +307,7 @@ def compute_reference(full_ctx, cont, q_ids, n_answer: int, shapes: RunShapes, p
     run = Runner(full_ctx, shapes)
     n0 = full_ctx.n_tokens
     pre, cache, q, q_pre = run.block(cont[:-1])
-    keys = InputKeys(cache.k[:, 0], cache.v[:, 0], cache.pos[0],
+    keys = InputKeys(*(x[:, 0] for x in cache.stacked()), cache.pos[0],
                      jnp.arange(n0, n0 + len(cont) - 1, dtype=jnp.int32))
     dec, _, _, _ = run.decode(cont[:-1], n0, progress=progress)
     answer = np.asarray(run.greedy(q_ids, n_answer, tuple(full_ctx.model.tokenizer.eos_ids)), np.int32)

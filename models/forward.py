@@ -11,7 +11,7 @@ Shapes: B batch, T new tokens, S cache capacity, Hq / Hkv query / KV heads, d he
 
     tokens     int32 [B, T]
     positions  int32 [B, T]   absolute positions; -1 for (left) padding tokens
-    cache      KVCache        k, v [L, B, Hkv, S, d], pos int32 [B, S], length int32 [B]
+    cache      KVCache        k, v: per layer [B, Hkv, S, d]; pos int32 [B, S]; length int32 [B]
     logits     float32 [B, T, V]   (``logits="last"``: [B, 1, V]; ``"none"``: None)
 
 The new tokens' keys/values are written at slots ``length .. length+T`` of each row, their

@@ -1,8 +1,15 @@
 """Fixed-capacity KV cache as a plain JAX pytree.
 
-    k, v    [num_layers, B, Hkv, S, d]  roped keys / values, S = capacity (slots)
+    k, v    tuple over layers of [B, Hkv, S, d]  roped keys / values, S = capacity (slots)
     pos     int32 [B, S]                absolute position held in each slot; -1 = empty/padding
     length  int32 [B]                   slots used per row (next write starts at `length`)
+
+One array per layer, not one stacked [layers, ...] array: a layer's cache is then a whole
+buffer, which a kernel (or a dot) reads in place. Slicing a layer out of a stacked array inside
+the jitted forward made XLA copy it for every layer and every step (two copies per layer per
+token in an H200 profile of the end-to-end decode; the same happened to the fixed context's
+K/V on the CPU, see `sqjax.fixed_context.SparseAttentionHook`). `stacked()` gives the
+[layers, B, Hkv, S, d] view where one is wanted.
 
 New tokens of a forward step are written at slots ``length .. length + T`` of each row. Left
 padding (pad tokens at position -1) writes slots that stay invisible (``pos = -1``), so with the
@@ -24,8 +31,8 @@ from .config import LlamaConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, B, Hkv, S, d]
-    v: jax.Array  # [L, B, Hkv, S, d]
+    k: tuple[jax.Array, ...]  # per layer [B, Hkv, S, d]
+    v: tuple[jax.Array, ...]  # per layer [B, Hkv, S, d]
     pos: jax.Array  # int32 [B, S], -1 = empty
     length: jax.Array  # int32 [B]
 
@@ -34,25 +41,29 @@ class KVCache:
         """An empty cache (all slots at position -1)."""
         if batch <= 0 or capacity <= 0:
             raise ValueError(f"batch and capacity must be positive, got {batch}, {capacity}")
-        shape = (config.num_layers, batch, config.num_kv_heads, capacity, config.head_dim)
+        shape = (batch, config.num_kv_heads, capacity, config.head_dim)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
             pos=jnp.full((batch, capacity), -1, jnp.int32),
             length=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return len(self.k)
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.pos.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.pos.shape[1]
+
+    def stacked(self) -> tuple[jax.Array, jax.Array]:
+        """(k, v) as [layers, B, Hkv, S, d] arrays (a copy)."""
+        return jnp.stack(self.k), jnp.stack(self.v)
 
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
@@ -62,10 +73,17 @@ class KVCache:
         B, T = k_new.shape[:2]
         slots = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
         rows = jnp.arange(B, dtype=jnp.int32)[:, None]  # [B, 1]
-        # advanced indices (layer, rows, slots) around a slice -> update shape [B, T, Hkv, d]
-        k = self.k.at[layer, rows, :, slots].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[layer, rows, :, slots].set(v_new.astype(self.v.dtype), mode="drop")
-        return self.replace(k=k, v=v)
+
+        def put(cache, new):
+            # advanced indices (rows, slots) around a slice -> update shape [B, T, Hkv, d]
+            return cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")
+
+        k, v = list(self.k), list(self.v)
+        # The barrier keeps XLA from fusing the in-place update into each of its readers: on
+        # the CPU it did, and every such copy of the update needed its own copy of the layer's
+        # cache (4 per layer and array per step; decode at 4K context 5x slower).
+        k[layer], v[layer] = jax.lax.optimization_barrier((put(k[layer], k_new), put(v[layer], v_new)))
+        return self.replace(k=tuple(k), v=tuple(v))
 
     def advance(self, positions) -> "KVCache":
         """Record ``positions`` int32 [B, T] at slots ``length .. length+T`` and bump ``length``."""

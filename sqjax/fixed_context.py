@@ -502,8 +502,7 @@ def _prefill_document(model, ids: np.ndarray, method: Method, *, chunk: int, pro
                                           capture_last=n_obs if last else False, logits="last")
         if last:
             q_obs = jnp.stack([jnp.swapaxes(c["q"][0], 0, 1) for c in caps])  # [layers, Hq, n_obs, d]
-    k = cache.k[:, 0]
-    v = cache.v[:, 0]
+    k, v = (x[:, 0] for x in cache.stacked())
     scale = 1.0 / math.sqrt(model.config.head_dim)
     k_pre = _derope_keys(model, k) if isinstance(method, Saap) else None
     return ContextData(k, v, q_obs, k_pre=k_pre, scale=scale), logits[0, -1]

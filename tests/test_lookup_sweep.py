@@ -39,3 +39,20 @@ def test_lookup_decode_sweep_cpu_smoke(tmp_path):
         assert (row["level2_blocks"] > 1) != row.get("one_level_pass", False), row  # 1-level: once per tiling
     assert 0 < res["touched_ref_mean"] < res["level2_rows"]      # level 1 prunes
     assert res["best_ratio"] > 0 and "Fastest 1-level" in (tmp_path / "lookup_decode_sweep.md").read_text()
+
+
+def test_grid_option_replaces_given_fields_and_names_bad_ones():
+    import pytest
+
+    from benchmarks.lookup_sweep import Plan, configs, parse_grid
+
+    grid = parse_grid('{"block_t": [128, 256], "num_warps": 8}', Plan().grid)
+    d = dict(grid)
+    assert d["block_t"] == (128, 256) and d["num_warps"] == (8,) and d["block_c"] == dict(Plan().grid)["block_c"]
+    n_other = 1
+    for k, v in d.items():
+        n_other *= len(v) if k != "block_t" else 1
+    assert len(list(configs(Plan(grid=grid)))) == 2 * n_other
+    for bad in ('{"block_q": [1]}', "[1, 2]", "{not json", '{"block_t": []}'):
+        with pytest.raises(SystemExit, match="grid"):
+            parse_grid(bad, Plan().grid)

@@ -130,7 +130,7 @@ def test_stable_step_matches_forward_and_reuses_its_buffers():
     nxt, pos2, cache2 = _stable_step_jit(graphdef, state, tok, pos, cache, None, attn_fn=None)
     assert nxt.shape == (1, 1) and int(nxt[0, 0]) == int(jnp.argmax(ref_lg[0, -1]))
     assert int(pos2[0, 0]) == 7
-    np.testing.assert_array_equal(np.asarray(cache2.k), np.asarray(ref_cache.k))
+    np.testing.assert_array_equal(np.asarray(cache2.stacked()[0]), np.asarray(ref_cache.stacked()[0]))
     assert int(cache2.length[0]) == 7
     assert tok.is_deleted() and pos.is_deleted()     # donated: the next step reuses their buffers
 

@@ -40,4 +40,4 @@ def test_chunked_prefill_matches_one_pass_and_rope_roundtrips(rng):
         np.testing.assert_allclose(np.asarray(rope_heads(jnp.asarray(q_c[layer]), keep, inv_freq)), q_rope,
                                    rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(rope_heads(jnp.asarray(k_c[layer]), np.arange(T), inv_freq)),
-                                   np.asarray(cache.k[layer, 0, :, :T]), rtol=1e-4, atol=1e-5)
+                                   np.asarray(cache.k[layer][0, :, :T]), rtol=1e-4, atol=1e-5)
