@@ -623,6 +623,58 @@ def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict
 # 3. end to end
 # ---------------------------------------------------------------------------------------------
 
+class _ByteTokenizer:
+    """Text -> ids for a random-weight model, which has no tokenizer of its own: one id per
+    UTF-8 byte (folded into the vocabulary), no stop id (an answer runs to max_new_tokens)."""
+
+    eos_ids: tuple = ()
+
+    def __init__(self, vocab_size: int):
+        self.n = vocab_size - 3
+
+    def encode(self, text: str, add_bos=None) -> list[int]:
+        return [3 + b % self.n for b in text.encode()]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
+
+
+def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log) -> dict:
+    """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
+    carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
+    context, for each (name, method, index): time to first token, median time per output token,
+    the whole call and the KV budget, each from the second of two calls (the first compiles)."""
+    from sqjax.fixed_context import FixedContext
+
+    question = ("Which of the measurements in the document above was taken on the largest input, and by how "
+                "much did it beat the baseline?")[: max(1, n_prompt - 2)]
+    rows = {}
+    for name, method, idx in methods:
+        try:
+            ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None, chat=False,
+                               suffix_template="\n\n{question}", doc_sha256="random")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                ans = ctx.ask(question, max_new_tokens=n_new)
+                wall = time.perf_counter() - t0
+            st = ans.stats
+            rows[name] = {"n_prompt_tokens": st.n_prompt_tokens, "n_new_tokens": st.n_new_tokens,
+                          "ttft_s": st.time_to_first_token_s, "ms_per_token": 1e3 * st.time_per_output_token_s,
+                          "tokens_per_s": 1.0 / st.time_per_output_token_s, "ask_s": wall, "kv_budget": st.kv_budget}
+            log(f"[e2e] ask, {name}: TTFT {1e3 * st.time_to_first_token_s:.1f} ms, "
+                f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {wall:.2f} s, "
+                f"KV budget {st.kv_budget:.3f}")
+            del ctx
+        except Exception as e:  # noqa: BLE001
+            rows[name] = {"error": _err(e)}
+            log(f"[e2e] ask, {name}: ERROR {_err(e)}")
+            traceback.print_exc()
+    if all("tokens_per_s" in rows.get(n, {}) for n in ("squeezed", "full")):
+        rows["speedup"] = rows["squeezed"]["tokens_per_s"] / rows["full"]["tokens_per_s"]
+        rows["ttft_speedup"] = rows["full"]["ttft_s"] / rows["squeezed"]["ttft_s"]
+    return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class _NoAttention:
     """An attn_fn that returns zeros: times everything in a decode step but attention."""
@@ -900,6 +952,11 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     if all("attention_busy_ms_per_token" in out.get(n, {}) for n in ("squeezed", "full")):
         out["attention_busy_speedup"] = (out["full"]["attention_busy_ms_per_token"]
                                          / out["squeezed"]["attention_busy_ms_per_token"])
+    from models.registry import LoadedModel
+
+    model = LoadedModel(graphdef, state, cfg, _ByteTokenizer(cfg.vocab_size), source="random", dtype=BF16)
+    out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), Full().build(data)[0])), data,
+                           length, n_prompt, n_steps, log)
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     kv = data.k.size * data.k.dtype.itemsize * 2
     out["bytes_weights"] = float(weights)
@@ -1126,6 +1183,21 @@ def to_markdown(res: dict) -> str:
                           f"{e2e['full']['attention_busy_ms_per_token']:.2f} ms → {e2e['attention_busy_speedup']:.2f}×.")
             md.append(f"\nDecode speedup {e2e['decode_speedup']:.2f}× synced (byte bound with these weights: "
                       f"{e2e['decode_speedup_bound_bytes']:.2f}×), TTFT speedup {e2e['ttft_speedup']:.2f}×.")
+        ask = e2e.get("ask", {})
+        if any(isinstance(r, dict) for r in ask.values()):
+            md += ["", "`FixedContext.ask` on the same model and fixed context (second of two calls):", "",
+                   "| method | question tokens | new tokens | TTFT ms | ms / token | tokens/s | whole call s | KV budget |",
+                   "|---|---|---|---|---|---|---|---|"]
+            for name, r in ask.items():
+                if not isinstance(r, dict):
+                    continue
+                if "error" in r:
+                    md.append(f"| {name} | error: {r['error'][:80]} | | | | | | |")
+                    continue
+                md.append(f"| {name} | {r['n_prompt_tokens']} | {r['n_new_tokens']} | {1e3 * r['ttft_s']:.1f} | "
+                          f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | {r['ask_s']:.2f} | {r['kv_budget']:.3f} |")
+            if "speedup" in ask:
+                md.append(f"\n`ask` decode speedup {ask['speedup']:.2f}×, TTFT speedup {ask['ttft_speedup']:.2f}×.")
         md.append("")
     if res.get("errors"):
         md += ["## Errors", ""] + [f"- {e}" for e in res["errors"]]

@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,15 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
                                                       / e2e["full"]["tokens_per_s_pipelined_stable"])
     assert "ms / token pipelined" in (tmp_path / "speed.md").read_text()
     assert "ms / token stable" in (tmp_path / "speed.md").read_text()
+    ask = e2e["ask"]   # FixedContext.ask on the same model and context
+    for name in ("squeezed", "full"):
+        row = ask[name]
+        assert "error" not in row, row
+        assert row["n_new_tokens"] == 3 and row["n_prompt_tokens"] > 0 and row["ms_per_token"] > 0
+        assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"]) and row["ask_s"] >= row["ttft_s"] > 0
+    assert ask["full"]["kv_budget"] == 1.0 and 0 < ask["squeezed"]["kv_budget"] < 1.0
+    assert ask["speedup"] == ask["squeezed"]["tokens_per_s"] / ask["full"]["tokens_per_s"]
+    assert "`FixedContext.ask` on the same model" in (tmp_path / "speed.md").read_text()
 
 
 def test_stable_step_matches_forward_and_reuses_its_buffers():
