@@ -252,19 +252,19 @@ class FixedContext:
         return int(self.doc_ids.shape[0])
 
     # ----------------------------------------------------------------------------- running
-    def _forward(self, tokens, positions, cache, capture: int | None | bool):
+    def _forward(self, tokens, positions, cache, capture: int | None | bool, logits: str = "all"):
         """tokens, positions int32 [1, T] (host or device arrays) through the sparse hook."""
         from models.forward import forward_jit
 
         return forward_jit(self.model.graphdef, self.model.state, tokens, positions, cache, attn_fn=self._hook,
-                           attn_state=self._state, capture_last=capture, logits="all")
+                           attn_state=self._state, capture_last=capture, logits=logits)
 
-    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool):
+    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool, logits: str = "all"):
         """Forward `ids` (−1 = left padding) at positions start_pos.. through the sparse hook."""
         ids = np.asarray(ids, np.int32)
         pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
         tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
-        return self._forward(jnp.asarray(tokens[None]), jnp.asarray(pos[None]), cache, capture)
+        return self._forward(jnp.asarray(tokens[None]), jnp.asarray(pos[None]), cache, capture, logits)
 
     def _new_cache(self, n: int):
         return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
@@ -311,30 +311,38 @@ class FixedContext:
 
         t0 = time.perf_counter()
         cache = self._new_cache(padded_len + max_new_tokens)
-        logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None)
+        logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None, logits="last")
         nxt = int(_sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))
         ttft = time.perf_counter() - t0
         stack = lambda key, cs: jnp.stack([jnp.swapaxes(c[key][0], 0, 1) for c in cs])  # [layers, Hq, T, d]  # noqa: E731
         prefill_sel = self._lookup_stats(stack("q", caps)[:, None], stack("q_pre", caps)[:, None], 1,
                                          jnp.asarray(padded >= 0))
-        out, step_caps, step_times = [], [], []
+        out, step_times = [], []
         emitted = ""
         # carried on the device from step to step (donated: the same buffers every step)
         tok_d = jnp.full((1, 1), nxt, jnp.int32)
         pos_d = jnp.full((1, 1), self.n_tokens + len(q_ids), jnp.int32)
         step_d = jnp.ones((1,), jnp.int32)
         temp_d, top_p_d = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
-        nxt_dev, t_prev = None, time.perf_counter()
+        # each step's queries (q, de-roped q) for the accounting after the loop, written into one
+        # carried buffer [2, layers, n_pad, Hq, 1, d]: a fresh output buffer per step changed the
+        # step's addresses and tripled its host dispatch on a GPU (gpu_h200_ask/)
+        # room for max_new_tokens - 1 steps, rounded up to a power of two >= _BUCKET: the step and
+        # the accounting compile once per bucket, not once per max_new_tokens
+        n_pad = max(_BUCKET, 1 << (max_new_tokens - 2).bit_length()) if max_new_tokens > 1 else 0
+        cfg = self.model.config
+        qbuf = (jnp.zeros((2, cfg.num_layers, n_pad, cfg.num_heads, 1, cfg.head_dim), caps[0]["q"].dtype)
+                if n_pad else None)
+        n_steps, nxt_dev, t_prev = 0, None, time.perf_counter()
         for step in range(max_new_tokens):
             # pipelined: the step that feeds token `step` is dispatched (from the token still on
             # the device) before the host reads it, so streaming and bookkeeping overlap the
             # device's work; a stop discards that one step ahead.
-            ahead = None
+            nxt_ahead = None
             if step < max_new_tokens - 1:
-                tok_d, pos_d, step_d, cache, caps, nxt_ahead = _ask_step(
-                    self.model.graphdef, self.model.state, tok_d, pos_d, step_d, cache, self._state, key,
+                tok_d, pos_d, step_d, cache, qbuf, nxt_ahead = _ask_step(
+                    self.model.graphdef, self.model.state, tok_d, pos_d, step_d, cache, qbuf, self._state, key,
                     temp_d, top_p_d, attn_fn=self._hook, greedy=temperature == 0.0, use_top_p=top_p < 1.0)
-                ahead = (nxt_ahead, caps)
             if nxt_dev is not None:
                 nxt = int(nxt_dev[0])
                 now = time.perf_counter()
@@ -345,16 +353,11 @@ class FixedContext:
                 text = tok_dec.decode(out)
                 on_token(text[len(emitted):])
                 emitted = text
-            if nxt in stop or ahead is None:
+            if nxt in stop or nxt_ahead is None:
                 break
-            nxt_dev = ahead[0]
-            step_caps.append(ahead[1])
-        step_sel = None
-        if step_caps:
-            n_pad = max_new_tokens - 1  # a fixed number of lookups: one compilation per max_new_tokens
-            qs = [jnp.stack([stack("q", c), stack("q_pre", c)]) for c in step_caps]  # [2, layers, Hq, 1, d]
-            qs = jnp.stack(qs + [jnp.zeros_like(qs[0])] * (n_pad - len(qs)), axis=2)  # [2, layers, S, Hq, 1, d]
-            step_sel = self._lookup_stats(qs[0], qs[1], len(step_caps))
+            nxt_dev = nxt_ahead
+            n_steps += 1
+        step_sel = self._lookup_stats(qbuf[0], qbuf[1], n_steps) if n_steps else None
         stats = self._stats(prefill_sel, step_sel, len(q_ids), len(out), ttft, step_times)
         return Answer(tok_dec.decode(out), out, stats)
 
@@ -529,16 +532,16 @@ def _model_dtype(model) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("attn_fn", "greedy", "use_top_p"),
-                   donate_argnames=("tok", "pos", "step", "cache"))
-def _ask_step(graphdef, state, tok, pos, step, cache, attn_state, key, temperature, top_p, *, attn_fn,
+                   donate_argnames=("tok", "pos", "step", "cache", "qbuf"))
+def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, temperature, top_p, *, attn_fn,
               greedy: bool, use_top_p: bool):
     """One decode step of `FixedContext.ask` with its inputs carried on the device.
 
-    tok, pos int32 [1, 1], step int32 [1] and the cache are donated and come back (before any
-    other output of their shape) as the next step's, so every step runs on the same buffers,
-    as `models.generate`'s carried step does (its measured host-time saving is there; this
-    loop's GPU time was not measured).  The sampled id uses the key folded with ``step``.
-    -> (tok', pos + 1, step + 1, cache, captures, sampled id int32 [1] for the host).
+    tok, pos int32 [1, 1], step int32 [1] (1 for the first step), the cache and qbuf [2, layers,
+    n_pad, Hq, 1, d] (this step's roped and de-roped queries are written at ``step - 1``, for the
+    accounting after the loop) are donated and come back as the next step's, so every step runs on
+    the same buffers, as `models.generate`'s carried step does. The sampled id uses the key folded
+    with ``step``.  -> (tok', pos + 1, step + 1, cache, qbuf, sampled id int32 [1] for the host).
     """
     from models.forward import forward
     from models.generate import sample_logits
@@ -547,7 +550,9 @@ def _ask_step(graphdef, state, tok, pos, step, cache, attn_state, key, temperatu
                                   capture_last=1, logits="last")
     nxt = sample_logits(logits[0, -1:], jax.random.fold_in(key, step[0]), temperature, top_p, greedy=greedy,
                         use_top_p=use_top_p)                                      # int32 [1]
-    return nxt.reshape(1, 1), pos + 1, step + 1, cache, caps, nxt
+    q = jnp.stack([jnp.stack([jnp.swapaxes(c[name][0], 0, 1) for c in caps]) for name in ("q", "q_pre")])
+    qbuf = jax.lax.dynamic_update_slice_in_dim(qbuf, q[:, :, None].astype(qbuf.dtype), step[0] - 1, axis=2)
+    return nxt.reshape(1, 1), pos + 1, step + 1, cache, qbuf, nxt
 
 
 def _sample(logits, key, temperature: float, top_p: float):

@@ -314,17 +314,30 @@ def test_quest_and_saap_selections_carry_kernel_payloads(rng):
 
 
 def test_ask_step_returns_its_inputs_in_their_buffers(model):
+    """tok, pos, step and the query buffer come back in the buffers they went in (stable
+    addresses: cheap dispatch on a GPU); step i writes its queries at index i of the buffer."""
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
     cache = ctx._new_cache(32)
     _, cache, _ = ctx._run(np.arange(5, 21, dtype=np.int32), ctx.n_tokens, cache, capture=None)
+    cfg = model.config
     tok = jnp.full((1, 1), 9, jnp.int32)
     pos = jnp.full((1, 1), ctx.n_tokens + 16, jnp.int32)
     step = jnp.ones((1,), jnp.int32)
+    qbuf = jnp.zeros((2, cfg.num_layers, 4, cfg.num_heads, 1, cfg.head_dim), jnp.float32)
     for i in range(2):
-        ptrs = [x.unsafe_buffer_pointer() for x in (tok, pos, step)]
-        tok, pos, step, cache, caps, nxt = fc._ask_step(
-            model.graphdef, model.state, tok, pos, step, cache, ctx._state, jax.random.key(0), jnp.float32(1e-6),
-            jnp.float32(1.0), attn_fn=ctx._hook, greedy=True, use_top_p=False)
-        assert [x.unsafe_buffer_pointer() for x in (tok, pos, step)] == ptrs
+        ptrs = [x.unsafe_buffer_pointer() for x in (tok, pos, step, qbuf)]
+        ref_cache = jax.tree.map(jnp.copy, cache)
+        tok_in = int(tok[0, 0])
+        tok, pos, step, cache, qbuf, nxt = fc._ask_step(
+            model.graphdef, model.state, tok, pos, step, cache, qbuf, ctx._state, jax.random.key(0),
+            jnp.float32(1e-6), jnp.float32(1.0), attn_fn=ctx._hook, greedy=True, use_top_p=False)
+        assert [x.unsafe_buffer_pointer() for x in (tok, pos, step, qbuf)] == ptrs
         assert int(pos[0, 0]) == ctx.n_tokens + 17 + i and int(step[0]) == 2 + i
-        assert int(tok[0, 0]) == int(nxt[0]) and len(caps) == model.config.num_layers
+        assert int(tok[0, 0]) == int(nxt[0])
+        # the queries written at index i are the step's own (the plain forward's captures)
+        _, _, caps = ctx._forward(jnp.full((1, 1), tok_in, jnp.int32), jnp.full((1, 1), ctx.n_tokens + 16 + i,
+                                  jnp.int32), ref_cache, capture=1)
+        for j, name in enumerate(("q", "q_pre")):
+            want = np.stack([np.swapaxes(np.asarray(c[name][0]), 0, 1) for c in caps])   # [layers, Hq, 1, d]
+            np.testing.assert_allclose(np.asarray(qbuf[j, :, i]), want, rtol=1e-5, atol=1e-6)
+        assert not np.any(np.asarray(qbuf[:, :, i + 1:]))
