@@ -639,6 +639,24 @@ class _ByteTokenizer:
         return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
 
 
+def _question_prefill_s(ctx, question: str) -> dict:
+    """Where `ask`'s time to first token goes: the question's forward alone (median of 3, synced)
+    with the captures `ask` takes (every token's queries) and without, last logits only."""
+    q_ids = ctx._question_ids(question)
+    padded = np.concatenate([np.full(-len(q_ids) % 16, -1, np.int32), q_ids])
+    out = {}
+    for label, capture in (("with_captures", None), ("without_captures", False)):
+        times = []
+        for _ in range(4):
+            cache = ctx._new_cache(len(padded) + 16)
+            t0 = time.perf_counter()
+            lg, _, _ = ctx._run(padded, ctx.n_tokens, cache, capture=capture, logits="last")
+            jax.block_until_ready(lg)
+            times.append(time.perf_counter() - t0)
+        out[label] = float(np.median(times[1:]))
+    return out
+
+
 def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
     carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
@@ -660,7 +678,11 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log)
             st = ans.stats
             rows[name] = {"n_prompt_tokens": st.n_prompt_tokens, "n_new_tokens": st.n_new_tokens,
                           "ttft_s": st.time_to_first_token_s, "ms_per_token": 1e3 * st.time_per_output_token_s,
-                          "tokens_per_s": 1.0 / st.time_per_output_token_s, "ask_s": wall, "kv_budget": st.kv_budget}
+                          "tokens_per_s": 1.0 / st.time_per_output_token_s, "ask_s": wall, "kv_budget": st.kv_budget,
+                          "question_prefill_s": _question_prefill_s(ctx, question)}
+            log(f"[e2e] ask, {name}: question prefill alone "
+                f"{1e3 * rows[name]['question_prefill_s']['with_captures']:.1f} ms with captures, "
+                f"{1e3 * rows[name]['question_prefill_s']['without_captures']:.1f} ms without")
             log(f"[e2e] ask, {name}: TTFT {1e3 * st.time_to_first_token_s:.1f} ms, "
                 f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {wall:.2f} s, "
                 f"KV budget {st.kv_budget:.3f}")

@@ -343,8 +343,11 @@ class FixedContext:
                 tok_d, pos_d, step_d, cache, qbuf, nxt_ahead = _ask_step(
                     self.model.graphdef, self.model.state, tok_d, pos_d, step_d, cache, qbuf, self._state, key,
                     temp_d, top_p_d, attn_fn=self._hook, greedy=temperature == 0.0, use_top_p=top_p < 1.0)
+                nxt_ahead.copy_to_host_async()
             if nxt_dev is not None:
-                nxt = int(nxt_dev[0])
+                # a host copy, not `nxt_dev[0]`: indexing is a device op queued behind the step
+                # dispatched ahead, so reading token n waited for step n + 1 (GPU)
+                nxt = int(np.asarray(nxt_dev)[0])
                 now = time.perf_counter()
                 step_times.append(now - t_prev)  # between consecutive tokens reaching the host
                 t_prev = now

@@ -109,6 +109,7 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
         assert "error" not in row, row
         assert row["n_new_tokens"] == 3 and row["n_prompt_tokens"] > 0 and row["ms_per_token"] > 0
         assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"]) and row["ask_s"] >= row["ttft_s"] > 0
+        assert row["question_prefill_s"]["with_captures"] > 0 and row["question_prefill_s"]["without_captures"] > 0
     assert ask["full"]["kv_budget"] == 1.0 and 0 < ask["squeezed"]["kv_budget"] < 1.0
     assert ask["speedup"] == ask["squeezed"]["tokens_per_s"] / ask["full"]["tokens_per_s"]
     assert "`FixedContext.ask` on the same model" in (tmp_path / "speed.md").read_text()
