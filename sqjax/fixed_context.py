@@ -312,7 +312,8 @@ class FixedContext:
         t0 = time.perf_counter()
         cache = self._new_cache(padded_len + max_new_tokens)
         logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None, logits="last")
-        nxt = int(_sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))
+        nxt = int(_first_token(logits, key, jnp.float32(temperature), jnp.float32(top_p),
+                               greedy=temperature == 0.0, use_top_p=top_p < 1.0))
         ttft = time.perf_counter() - t0
         stack = lambda key, cs: jnp.stack([jnp.swapaxes(c[key][0], 0, 1) for c in cs])  # [layers, Hq, T, d]  # noqa: E731
         prefill_sel = self._lookup_stats(stack("q", caps)[:, None], stack("q_pre", caps)[:, None], 1,
@@ -556,6 +557,16 @@ def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, tem
     q = jnp.stack([jnp.stack([jnp.swapaxes(c[name][0], 0, 1) for c in caps]) for name in ("q", "q_pre")])
     qbuf = jax.lax.dynamic_update_slice_in_dim(qbuf, q[:, :, None].astype(qbuf.dtype), step[0] - 1, axis=2)
     return nxt.reshape(1, 1), pos + 1, step + 1, cache, qbuf, nxt
+
+
+@functools.partial(jax.jit, static_argnames=("greedy", "use_top_p"))
+def _first_token(logits, key, temperature, top_p, *, greedy: bool, use_top_p: bool):
+    """The token after the question: logits [1, T, V] -> int32 [], key folded with 0 (one
+    dispatch, where slicing, folding and sampling eagerly were three)."""
+    from models.generate import sample_logits
+
+    return sample_logits(logits[0, -1:], jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy,
+                         use_top_p=use_top_p)[0]
 
 
 def _sample(logits, key, temperature: float, top_p: float):
