@@ -332,7 +332,9 @@ class FixedContext:
         # the accounting compile once per bucket, not once per max_new_tokens
         n_pad = max(_BUCKET, 1 << (max_new_tokens - 2).bit_length()) if max_new_tokens > 1 else 0
         cfg = self.model.config
-        qbuf = (jnp.zeros((2, cfg.num_layers, n_pad, cfg.num_heads, 1, cfg.head_dim), caps[0]["q"].dtype)
+        # the de-roped queries only where the method reads them (SAAP): half the memory otherwise
+        n_kinds = 2 if self._hook.needs_q_pre else 1
+        qbuf = (jnp.zeros((n_kinds, cfg.num_layers, n_pad, cfg.num_heads, 1, cfg.head_dim), caps[0]["q"].dtype)
                 if n_pad else None)
         n_steps, nxt_dev, t_prev = 0, None, time.perf_counter()
         for step in range(max_new_tokens):
@@ -361,7 +363,7 @@ class FixedContext:
                 break
             nxt_dev = nxt_ahead
             n_steps += 1
-        step_sel = self._lookup_stats(qbuf[0], qbuf[1], n_steps) if n_steps else None
+        step_sel = self._lookup_stats(qbuf[0], qbuf[-1], n_steps) if n_steps else None
         stats = self._stats(prefill_sel, step_sel, len(q_ids), len(out), ttft, step_times)
         return Answer(tok_dec.decode(out), out, stats)
 
@@ -541,9 +543,9 @@ def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, tem
               greedy: bool, use_top_p: bool):
     """One decode step of `FixedContext.ask` with its inputs carried on the device.
 
-    tok, pos int32 [1, 1], step int32 [1] (1 for the first step), the cache and qbuf [2, layers,
-    n_pad, Hq, 1, d] (this step's roped and de-roped queries are written at ``step - 1``, for the
-    accounting after the loop) are donated and come back as the next step's, so every step runs on
+    tok, pos int32 [1, 1], step int32 [1] (1 for the first step), the cache and qbuf [K, layers,
+    n_pad, Hq, 1, d] (this step's roped queries, and with K = 2 its de-roped ones, are written at
+    ``step - 1``, for the accounting after the loop) are donated and come back as the next step's, so every step runs on
     the same buffers, as `models.generate`'s carried step does. The sampled id uses the key folded
     with ``step``.  -> (tok', pos + 1, step + 1, cache, qbuf, sampled id int32 [1] for the host).
     """
@@ -554,7 +556,7 @@ def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, tem
                                   capture_last=1, logits="last")
     nxt = sample_logits(logits[0, -1:], jax.random.fold_in(key, step[0]), temperature, top_p, greedy=greedy,
                         use_top_p=use_top_p)                                      # int32 [1]
-    q = jnp.stack([jnp.stack([jnp.swapaxes(c[name][0], 0, 1) for c in caps]) for name in ("q", "q_pre")])
+    q = jnp.stack([jnp.stack([jnp.swapaxes(c[name][0], 0, 1) for c in caps]) for name in ("q", "q_pre")[:qbuf.shape[0]]])
     qbuf = jax.lax.dynamic_update_slice_in_dim(qbuf, q[:, :, None].astype(qbuf.dtype), step[0] - 1, axis=2)
     return nxt.reshape(1, 1), pos + 1, step + 1, cache, qbuf, nxt
 

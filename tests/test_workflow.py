@@ -323,7 +323,7 @@ def test_ask_step_returns_its_inputs_in_their_buffers(model):
     tok = jnp.full((1, 1), 9, jnp.int32)
     pos = jnp.full((1, 1), ctx.n_tokens + 16, jnp.int32)
     step = jnp.ones((1,), jnp.int32)
-    qbuf = jnp.zeros((2, cfg.num_layers, 4, cfg.num_heads, 1, cfg.head_dim), jnp.float32)
+    qbuf = jnp.zeros((2, cfg.num_layers, 4, cfg.num_heads, 1, cfg.head_dim), jnp.float32)   # with q_pre (SAAP)
     for i in range(2):
         ptrs = [x.unsafe_buffer_pointer() for x in (tok, pos, step, qbuf)]
         ref_cache = jax.tree.map(jnp.copy, cache)
