@@ -642,8 +642,9 @@ class _ByteTokenizer:
 def _question_prefill_s(ctx, question: str) -> dict:
     """Where `ask`'s time to first token goes: the question's forward alone (median of 3, synced)
     with the captures `ask` takes (every token's queries) and without, last logits only."""
-    q_ids = ctx._question_ids(question)
-    padded = np.concatenate([np.full(-len(q_ids) % 16, -1, np.int32), q_ids])
+    from sqjax.fixed_context import _left_pad
+
+    padded = _left_pad(ctx._question_ids(question))
     out = {}
     for label, capture in (("with_captures", None), ("without_captures", False)):
         times = []

@@ -305,8 +305,8 @@ class FixedContext:
             )
         tok_dec = self.model.tokenizer
         stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
-        padded_len = -(-len(q_ids) // _BUCKET) * _BUCKET
-        padded = np.concatenate([np.full(padded_len - len(q_ids), -1, np.int32), q_ids])
+        padded = _left_pad(q_ids)
+        padded_len = len(padded)
         key = jax.random.key(seed)
 
         t0 = time.perf_counter()
@@ -325,14 +325,13 @@ class FixedContext:
         pos_d = jnp.full((1, 1), self.n_tokens + len(q_ids), jnp.int32)
         step_d = jnp.ones((1,), jnp.int32)
         temp_d, top_p_d = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
-        # each step's queries (q, de-roped q) for the accounting after the loop, written into one
-        # carried buffer [2, layers, n_pad, Hq, 1, d]: a fresh output buffer per step changed the
-        # step's addresses and tripled its host dispatch on a GPU (gpu_h200_ask/)
-        # room for max_new_tokens - 1 steps, rounded up to a power of two >= _BUCKET: the step and
-        # the accounting compile once per bucket, not once per max_new_tokens
+        # Each step's queries for the accounting after the loop go into one carried buffer
+        # [K, layers, n_pad, Hq, 1, d] (a fresh output buffer per step changed the step's
+        # addresses and doubled its time on a GPU, gpu_h200_ask/). K = 2 adds the de-roped queries
+        # for the method that reads them (SAAP). n_pad: room for max_new_tokens - 1 steps, rounded
+        # up to a power of two >= _BUCKET, so the step compiles once per bucket.
         n_pad = max(_BUCKET, 1 << (max_new_tokens - 2).bit_length()) if max_new_tokens > 1 else 0
         cfg = self.model.config
-        # the de-roped queries only where the method reads them (SAAP): half the memory otherwise
         n_kinds = 2 if self._hook.needs_q_pre else 1
         qbuf = (jnp.zeros((n_kinds, cfg.num_layers, n_pad, cfg.num_heads, 1, cfg.head_dim), caps[0]["q"].dtype)
                 if n_pad else None)
@@ -406,8 +405,8 @@ class FixedContext:
             raise SqjaxError(f"document + {len(ids)} tokens exceed the model's context")
         inp = ids[:-1]
         if mode == "prefill":
-            padded_len = -(-max(len(inp), 1) // _BUCKET) * _BUCKET
-            padded = np.concatenate([np.full(padded_len - len(inp), -1, np.int32), inp])
+            padded = _left_pad(inp)
+            padded_len = len(padded)
             logits, _, _ = self._run(padded, self.n_tokens, self._new_cache(padded_len), capture=False)
             logits = logits[0, padded_len - len(inp):]  # predictions for ids[1:]
         else:
@@ -545,8 +544,8 @@ def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, tem
 
     tok, pos int32 [1, 1], step int32 [1] (1 for the first step), the cache and qbuf [K, layers,
     n_pad, Hq, 1, d] (this step's roped queries, and with K = 2 its de-roped ones, are written at
-    ``step - 1``, for the accounting after the loop) are donated and come back as the next step's, so every step runs on
-    the same buffers, as `models.generate`'s carried step does. The sampled id uses the key folded
+    ``step - 1``, for the accounting after the loop) are donated and come back as the next
+    step's, so every step runs on the same buffers, as `models.generate`'s carried step does. The sampled id uses the key folded
     with ``step``.  -> (tok', pos + 1, step + 1, cache, qbuf, sampled id int32 [1] for the host).
     """
     from models.forward import forward
@@ -571,12 +570,10 @@ def _first_token(logits, key, temperature, top_p, *, greedy: bool, use_top_p: bo
                          use_top_p=use_top_p)[0]
 
 
-def _sample(logits, key, temperature: float, top_p: float):
-    """logits [V] -> int32 [] with host floats (the first token after a prefill)."""
-    from models.generate import sample_logits
-
-    return sample_logits(logits[None], key, jnp.float32(temperature), jnp.float32(top_p),
-                         greedy=temperature == 0.0, use_top_p=top_p < 1.0)[0]
+def _left_pad(ids: np.ndarray) -> np.ndarray:
+    """ids [n] -> int32 [m], left-padded with -1 to m = a positive multiple of _BUCKET (fewer compilations)."""
+    m = -(-max(len(ids), 1) // _BUCKET) * _BUCKET
+    return np.concatenate([np.full(m - len(ids), -1, np.int32), np.asarray(ids, np.int32)])
 
 
 def _jsonable(x):

@@ -88,6 +88,14 @@ def test_decode_step_compiles_once(model):
     assert forward_jit._cache_size() == before and fc._ask_step._cache_size() == before_step
 
 
+def _sample(logits, key, temperature: float, top_p: float):
+    """logits [V] -> int32 [] with host floats, eagerly (the plain loop's sampling)."""
+    from models.generate import sample_logits
+
+    return sample_logits(logits[None], key, jnp.float32(temperature), jnp.float32(top_p),
+                         greedy=temperature == 0.0, use_top_p=top_p < 1.0)[0]
+
+
 def _ask_reference(ctx, question, n, temperature=0.0, top_p=1.0, seed=0):
     """`ask`'s tokens by the plain loop (a fresh position array and an eager sample every step)."""
     q_ids = ctx._question_ids(question)
@@ -96,12 +104,12 @@ def _ask_reference(ctx, question, n, temperature=0.0, top_p=1.0, seed=0):
     key = jax.random.key(seed)
     cache = ctx._new_cache(padded_len + n)
     logits, cache, _ = ctx._run(padded, ctx.n_tokens, cache, capture=None)
-    out = [int(fc._sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))]
+    out = [int(_sample(logits[0, -1], jax.random.fold_in(key, 0), temperature, top_p))]
     pos = ctx.n_tokens + len(q_ids)
     for step in range(1, n):
         logits, cache, _ = ctx._forward(jnp.full((1, 1), out[-1], jnp.int32), jnp.full((1, 1), pos, jnp.int32),
                                         cache, capture=1)
-        out.append(int(fc._sample(logits[0, -1], jax.random.fold_in(key, step), temperature, top_p)))
+        out.append(int(_sample(logits[0, -1], jax.random.fold_in(key, step), temperature, top_p)))
         pos += 1
     return out
 
