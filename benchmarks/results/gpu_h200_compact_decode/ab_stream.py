@@ -63,7 +63,7 @@ for L in (524288, 131072):
   # dense baseline, same run
   dn = _dense_fns(plan)["cudnn"]
   dfix = (k, v, kn, vn)
-  res["results"][f"{L}/cudnn"] = timed(dn, qs, dfix)
+  res["results"][f"{L}/cudnn"] = timed(dn, [qq[:, None] for qq in qs], dfix)
   print(L, "cudnn", res["results"][f"{L}/cudnn"], f"{time.time() - T0:.0f}s", flush=True)
   for tname, thr in (("single", tdec), ("app_c", float(idx.threshold))):
     fixed = (ks, vs, cent, off, jnp.float32(thr), kn, vn, qp, kvp)
