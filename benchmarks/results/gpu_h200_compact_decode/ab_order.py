@@ -57,9 +57,11 @@ def patched(kernel, **kw):
 
 clat.pallas_call = patched
 ref = None
-for name in ("ranges", "as_written", "sorted", "sequential", "ranges_2", "as_written_2"):
+for name in ("ranges", "as_written", "sorted", "sequential", "ranges_2", "as_written_2", "sequential_2"):
   MODE["m"] = name.removesuffix("_2")
-  cfg = ClusteredConfig() if name.startswith("ranges") else ClusteredConfig(attend="compact")
+  # a distinct (no-op) stream_new_keys per mode: the jitted op is cached by its static config
+  snk = {"as_written": 256, "sorted": 257, "sequential": 258}.get(MODE["m"], 256)
+  cfg = ClusteredConfig() if name.startswith("ranges") else ClusteredConfig(attend="compact", stream_new_keys=snk)
   f = jax.jit(functools.partial(clustered_decode_attention, scale=scale, vote="kv", backend="pallas", config=cfg))
   try:
     o = np.asarray(f(qs[0], *fixed), np.float32)
