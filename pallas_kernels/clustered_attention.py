@@ -85,7 +85,6 @@ __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention
            "clustered_prefill_attention_reference"]
 
 MAX_VOTE_Q_GROUP = 30     # vote="q" keeps one bit per query head of a group in an int32
-ATTEND_MODES = ("ranges", "compact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +110,6 @@ class ClusteredConfig:
     per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
     devices (``clustered_decode_partial(reduce_stats=...)``).
-  attend: how kernel B reads the selected rows.  "ranges": each cluster program streams the
-    rows of its own clusters as it selects them.  "compact": a selection kernel writes every
-    selected row to one list (atomic reservations: the list's order, and so the f32 summation
-    order, may differ between runs), then ``stream_programs`` programs split the list evenly,
-    each attending with all query heads as rows (a key counts for its own KV head's heads).
-  stream_programs: list programs of "compact" (about one wave: 2 per SM on an H100/H200).
-  stream_new_keys: user-input keys per new-part program of "compact" (over all KV heads).
-  select_warps: warps of the "compact" selection kernel.
   """
   # block_c and num_stages: the fastest of 38 tilings timed by kernel time on an H200
   # (benchmarks/results/gpu_h200_decode_stages): a third pipeline stage takes the attention
@@ -142,10 +133,6 @@ class ClusteredConfig:
   score_stages: int = 2
   target_programs: int = 1536
   reduce_stats_first: bool = False
-  attend: str = "ranges"
-  stream_programs: int = 264
-  stream_new_keys: int = 256
-  select_warps: int = 4
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -173,13 +160,6 @@ class ClusteredConfig:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
       raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
-    if self.attend not in ATTEND_MODES:
-      raise ValueError(f"attend must be one of {ATTEND_MODES}, got {self.attend!r}")
-    for name in ("stream_programs", "stream_new_keys"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    cm.check_warps_stages(self.select_warps, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,25 +289,60 @@ def _score_kernel(q_ref,      # [Hq, dp]
   plgpu.store(l_ref.at[kv, pl.ds(0, p.rp), sp], l, mask=hv)
 
 
-def _fixed_selection(p: _Plan, kv, prog_f, hr, hv, thr_ref, offs_ref, x_ref, ms_ref, ls_ref, sel_ref, *,
-                     begin, tile, carry):
-  """The fixed-context part of kernel B's program ``prog_f`` of KV head ``kv``: the exact
-  part's ``n_ex`` programs first, then one per ``bc`` clusters (``prog_f < 0``: none).
-
-  A cluster program reduces the block statistics of its heads to the global max ``M`` and
-  denominator ``D``, and for each sub-block of ``bcs`` clusters forms ``S = exp(x - M) / D``
-  (Eq. 1), votes, and prefix-sums the sizes of the selected clusters (vote "q": of the union
-  over the group, with a bit mask of the heads that selected each).  The selected row ranges,
-  concatenated, are visited in tiles of ``block_k`` virtual rows: per sub-block
-  ``carry = begin(total, carry)``, per tile ``carry = tile(j0, j, jv, row, rb, carry)`` with
-  ``j = j0 + arange(Bk)`` the virtual rows, ``jv`` = j < total, ``row`` the sorted row of each (in
-  [0, L)) and ``rb`` [Bk] the head bits of each row (vote "q"; None for vote "kv", where
-  every head of the group reads every row).  Writes the selection to ``sel_ref`` if given."""
+def _attn_kernel(thr_ref,      # [1] f32
+                 qpos_ref,     # [1] int32
+                 q_ref,        # [Hq, dp]
+                 offs_ref,     # [Hkv * (C + 1)] int32
+                 x_ref,        # [Hkv, g, Cx] f32
+                 ms_ref,       # [Hkv, g, nSA] f32
+                 ls_ref,       # [Hkv, g, nSA] f32
+                 k_ref,        # [Hkv * L, dp]
+                 v_ref,        # [Hkv * L, dp]
+                 *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
+                 p: _Plan, scale, return_stats):
+  refs = list(refs)
+  if p.num_s:
+    kn_ref, vn_ref, kvpos_ref = refs[:3]
+    refs = refs[3:]
+  sel_ref = refs.pop(0) if return_stats else None
+  o_ref, m_ref, l_ref = refs
   vote_q = p.vote == "q"
+  kv = pl.program_id(0)
+  prog = pl.program_id(1)
   i32 = jnp.int32
+  hr = jnp.arange(p.rp, dtype=i32)
+  hv = hr < p.g
+  q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
   jj = jnp.arange(p.block_k, dtype=i32)
-  ex_i = prog_f
-  cl_i = prog_f - p.n_ex
+  carry = (jnp.zeros((p.rp, p.dp), jnp.float32),
+           jnp.full((p.rp,), cm.MASK_VALUE, jnp.float32),
+           jnp.zeros((p.rp,), jnp.float32))
+
+  # --- the new part (user input), causal by position -------------------------------
+  if p.num_s:
+    is_new = prog < p.n_new
+    new_lo = prog * p.chunk_new
+    new_hi = jnp.minimum(new_lo + p.chunk_new, p.num_s)
+    q_pos = qpos_ref[0]
+    n_new_tiles = jnp.where(is_new, cm.kcdiv(jnp.maximum(new_hi - new_lo, 0), p.block_k),
+                            i32(0)).astype(i32)
+
+    def new_body(it, carry):
+      j = new_lo + it * p.block_k + jj
+      jv = j < new_hi
+      kp = cm.gather_vec(kvpos_ref, j, jv, other=-1)
+      vis = jv & (kp >= 0) & (kp <= q_pos)
+      rows = kv * p.num_s + j
+      kt = cm.gather_rows(kn_ref, rows, p.dp, vis)
+      vt = cm.gather_rows(vn_ref, rows, p.dp, vis)
+      mask = jnp.broadcast_to(vis[None, :], (p.rp, p.block_k))
+      return core._online_update(carry, q, kt, vt, mask, scale)
+
+    carry = lax.fori_loop(i32(0), n_new_tiles, new_body, carry)
+
+  # --- fixed context: exact-part programs and cluster programs ----------------------
+  ex_i = prog - p.n_new
+  cl_i = prog - p.n_new - p.n_ex
   is_ex = (ex_i >= 0) & (ex_i < p.n_ex)
   is_cl = cl_i >= 0
   off_c = jnp.clip(offs_ref[kv * (p.num_c + 1) + p.num_c], 0, p.num_l)
@@ -372,7 +387,7 @@ def _fixed_selection(p: _Plan, kv, prog_f, hr, hv, thr_ref, offs_ref, x_ref, ms_
       vsum = jnp.sum(s, axis=0) * (1.0 / p.g)                          # group mean
       sel = valid & (vsum > thr)
       bits = jnp.where(sel, i32(1), i32(0))
-    if sel_ref is not None:
+    if return_stats:
       if vote_q:
         plgpu.store(sel_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], selh.astype(i32),
                     mask=hv[:, None] & cv[None, :])
@@ -387,7 +402,6 @@ def _fixed_selection(p: _Plan, kv, prog_f, hr, hv, thr_ref, offs_ref, x_ref, ms_
     vstart = vend - size
     total = jnp.sum(size)
     delta = start - vstart                                             # row = j + delta
-    carry = begin(total, carry)
 
     def tile_body(t, carry):
       j = t * p.block_k + jj                                           # virtual rows
@@ -396,215 +410,28 @@ def _fixed_selection(p: _Plan, kv, prog_f, hr, hv, thr_ref, offs_ref, x_ref, ms_
         inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
         row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
         rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
+        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
       else:
         # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
         # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
         # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
         row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
                                     jnp.iinfo(jnp.int32).min), axis=1)
-        rb = None
+        mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
       # in bounds whatever the offsets hold (well-formed offsets never need the clip)
-      return tile(t * p.block_k, j, jv, jnp.clip(row, 0, p.num_l - 1), rb, carry)
+      rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
+      kt = cm.gather_rows(k_ref, rows, p.dp, jv)                       # [Bk, dp]
+      vt = cm.gather_rows(v_ref, rows, p.dp, jv)
+      return core._online_update(carry, q, kt, vt, mask, scale)
 
     n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
     return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
-  return lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
-
-
-def _attn_kernel(thr_ref,      # [1] f32
-                 qpos_ref,     # [1] int32
-                 q_ref,        # [Hq, dp]
-                 offs_ref,     # [Hkv * (C + 1)] int32
-                 x_ref,        # [Hkv, g, Cx] f32
-                 ms_ref,       # [Hkv, g, nSA] f32
-                 ls_ref,       # [Hkv, g, nSA] f32
-                 k_ref,        # [Hkv * L, dp]
-                 v_ref,        # [Hkv * L, dp]
-                 *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
-                 p: _Plan, scale, return_stats):
-  """Kernel B ("ranges"): each program attends to the rows ``_fixed_selection`` visits (or to
-  a chunk of the new part) as it finds them."""
-  refs = list(refs)
-  if p.num_s:
-    kn_ref, vn_ref, kvpos_ref = refs[:3]
-    refs = refs[3:]
-  sel_ref = refs.pop(0) if return_stats else None
-  o_ref, m_ref, l_ref = refs
-  kv = pl.program_id(0)
-  prog = pl.program_id(1)
-  i32 = jnp.int32
-  hr = jnp.arange(p.rp, dtype=i32)
-  hv = hr < p.g
-  q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
-  jj = jnp.arange(p.block_k, dtype=i32)
-  carry = (jnp.zeros((p.rp, p.dp), jnp.float32),
-           jnp.full((p.rp,), cm.MASK_VALUE, jnp.float32),
-           jnp.zeros((p.rp,), jnp.float32))
-
-  # --- the new part (user input), causal by position -------------------------------
-  if p.num_s:
-    is_new = prog < p.n_new
-    new_lo = prog * p.chunk_new
-    new_hi = jnp.minimum(new_lo + p.chunk_new, p.num_s)
-    q_pos = qpos_ref[0]
-    n_new_tiles = jnp.where(is_new, cm.kcdiv(jnp.maximum(new_hi - new_lo, 0), p.block_k),
-                            i32(0)).astype(i32)
-
-    def new_body(it, carry):
-      j = new_lo + it * p.block_k + jj
-      jv = j < new_hi
-      kp = cm.gather_vec(kvpos_ref, j, jv, other=-1)
-      vis = jv & (kp >= 0) & (kp <= q_pos)
-      rows = kv * p.num_s + j
-      kt = cm.gather_rows(kn_ref, rows, p.dp, vis)
-      vt = cm.gather_rows(vn_ref, rows, p.dp, vis)
-      mask = jnp.broadcast_to(vis[None, :], (p.rp, p.block_k))
-      return core._online_update(carry, q, kt, vt, mask, scale)
-
-    carry = lax.fori_loop(i32(0), n_new_tiles, new_body, carry)
-
-  # --- fixed context: exact-part programs and cluster programs ----------------------
-  def tile(j0, j, jv, row, rb, carry):
-    if rb is None:
-      mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
-    else:
-      mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
-    rows = kv * p.num_l + row
-    kt = cm.gather_rows(k_ref, rows, p.dp, jv)                         # [Bk, dp]
-    vt = cm.gather_rows(v_ref, rows, p.dp, jv)
-    return core._online_update(carry, q, kt, vt, mask, scale)
-
-  carry = _fixed_selection(p, kv, prog - p.n_new, hr, hv, thr_ref, offs_ref, x_ref, ms_ref, ls_ref,
-                           sel_ref, begin=lambda total, c: c, tile=tile, carry=carry)
+  carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
   o, m, l = carry
   plgpu.store(o_ref.at[kv, prog, pl.ds(0, p.rp), :], o, mask=hv[:, None])
   plgpu.store(m_ref.at[kv, prog, pl.ds(0, p.rp)], m, mask=hv)
   plgpu.store(l_ref.at[kv, prog, pl.ds(0, p.rp)], l, mask=hv)
-
-
-def _select_kernel(thr_ref,    # [1] f32
-                   offs_ref,   # [Hkv * (C + 1)] int32
-                   x_ref,      # [Hkv, g, Cx] f32
-                   ms_ref,     # [Hkv, g, nSA] f32
-                   ls_ref,     # [Hkv, g, nSA] f32
-                   cnt_in_ref,  # [1] int32 zeros (aliased to cnt_ref)
-                   *refs,      # (sel)?, tbl [cap + Bk] int32, (bits [cap + Bk] int32)?, cnt [1] int32
-                   p: _Plan, cap, return_stats):
-  """Kernel B1 ("compact"): the selection of ``_fixed_selection`` written as a list.  Each
-  sub-block reserves ``total`` entries of the table with an atomic add on ``cnt`` and writes
-  the global row ``kv * L + row`` of each selected row there (vote "q": and its head bits).
-  Entries come in no fixed order (the attention over them does not depend on it)."""
-  del cnt_in_ref
-  refs = list(refs)
-  sel_ref = refs.pop(0) if return_stats else None
-  tbl_ref = refs.pop(0)
-  bits_ref = refs.pop(0) if p.vote == "q" else None
-  cnt_ref, = refs
-  kv = pl.program_id(0)
-  prog = pl.program_id(1)
-  hr = jnp.arange(p.rp, dtype=jnp.int32)
-  hv = hr < p.g
-
-  def begin(total, pos):
-    return plgpu.atomic_add(cnt_ref, jnp.zeros((), jnp.int32), total)
-
-  def tile(j0, j, jv, row, rb, pos):
-    # the table has Bk slack entries: a window that starts inside it never leaves the buffer
-    at = jnp.minimum(pos + j0, cap)
-    ok = jv & (pos + j < cap)
-    plgpu.store(tbl_ref.at[pl.ds(at, p.block_k)], kv * p.num_l + row, mask=ok)
-    if rb is not None:
-      plgpu.store(bits_ref.at[pl.ds(at, p.block_k)], rb, mask=ok)
-    return pos
-
-  _fixed_selection(p, kv, prog, hr, hv, thr_ref, offs_ref, x_ref, ms_ref, ls_ref, sel_ref,
-                   begin=begin, tile=tile, carry=jnp.int32(0))
-
-
-def _stream_kernel(cnt_ref,    # [1] int32 table length
-                   tbl_ref,    # [cap + Bk] int32 global rows kv * L + row
-                   *refs,      # (bits)?, q [Hq, dp], k, v [Hkv * L, dp], (q_pos, k_new, v_new, kv_pos)?, o, m, l
-                   p: _Plan, cap, n_fix, n_newp, rq, scale):
-  """Kernel B2 ("compact"): programs ``[0, n_fix)`` split the table's tiles evenly, programs
-  ``[n_fix, n_fix + n_newp)`` the ``Hkv * S`` user-input keys (causal by position).  All
-  ``Hq`` query heads are the rows of every dot; a key counts only for the heads of its KV
-  head (vote "q": of its head bits).  Partials go to column ``program`` of the
-  [Hkv, P, g, dp] layout the merge reads (rows of heads a program never saw: m = MASK, l = 0)."""
-  refs = list(refs)
-  bits_ref = refs.pop(0) if p.vote == "q" else None
-  q_ref, k_ref, v_ref = refs[:3]
-  refs = refs[3:]
-  if p.num_s:
-    qpos_ref, kn_ref, vn_ref, kvpos_ref = refs[:4]
-    refs = refs[4:]
-  o_ref, m_ref, l_ref = refs
-  i32 = jnp.int32
-  prog = pl.program_id(0)
-  hr = jnp.arange(rq, dtype=i32)
-  hv = hr < p.hq
-  q = cm.gather_rows(q_ref, hr, p.dp, hv)                              # [rq, dp]
-  row_kv = cm.kdiv(hr, p.g)                                            # >= Hkv on padding rows
-  row_bit = hr - row_kv * p.g
-  jj = jnp.arange(p.block_k, dtype=i32)
-  bk = p.block_k
-  carry = (jnp.zeros((rq, p.dp), jnp.float32),
-           jnp.full((rq,), cm.MASK_VALUE, jnp.float32),
-           jnp.zeros((rq,), jnp.float32))
-
-  n = jnp.clip(cnt_ref[0], 0, cap)
-  nt = cm.kcdiv(n, bk)
-  t0 = cm.kdiv(prog * nt, n_fix)
-  t1 = cm.kdiv((prog + 1) * nt, n_fix)
-  trip = jnp.where(prog < n_fix, t1 - t0, 0).astype(i32)
-
-  def fix_body(it, carry):
-    e0 = (t0 + it) * bk
-    ev = e0 + jj < n
-    gid = plgpu.load(tbl_ref.at[pl.ds(e0, bk)], mask=ev, other=0)
-    gid = jnp.clip(gid, 0, p.hkv * p.num_l - 1)
-    kvh = cm.kdiv(gid, p.num_l)
-    kt = cm.gather_rows(k_ref, gid, p.dp, ev)                          # [Bk, dp]
-    vt = cm.gather_rows(v_ref, gid, p.dp, ev)
-    mask = ev[None, :] & (row_kv[:, None] == kvh[None, :])
-    if bits_ref is not None:
-      b = plgpu.load(bits_ref.at[pl.ds(e0, bk)], mask=ev, other=0)
-      mask = mask & ((jnp.right_shift(b[None, :], row_bit[:, None]) & 1) == 1)
-    return core._online_update(carry, q, kt, vt, mask, scale)
-
-  carry = lax.fori_loop(i32(0), trip, fix_body, carry)
-
-  if p.num_s:
-    ne = p.hkv * p.num_s
-    ntn = cm.cdiv(ne, bk)
-    i_new = prog - n_fix
-    t0n = cm.kdiv(i_new * ntn, n_newp)
-    t1n = cm.kdiv((i_new + 1) * ntn, n_newp)
-    trip_n = jnp.where(i_new >= 0, t1n - t0n, 0).astype(i32)
-    q_pos = qpos_ref[0]
-
-    def new_body(it, carry):
-      e = (t0n + it) * bk + jj
-      ev = e < ne
-      kvh = cm.kdiv(e, p.num_s)
-      kp = cm.gather_vec(kvpos_ref, e - kvh * p.num_s, ev, other=-1)
-      vis = ev & (kp >= 0) & (kp <= q_pos)
-      kt = cm.gather_rows(kn_ref, e, p.dp, vis)
-      vt = cm.gather_rows(vn_ref, e, p.dp, vis)
-      mask = vis[None, :] & (row_kv[:, None] == kvh[None, :])
-      return core._online_update(carry, q, kt, vt, mask, scale)
-
-    carry = lax.fori_loop(i32(0), trip_n, new_body, carry)
-
-  o, m, l = carry
-  n_prog = n_fix + n_newp
-  # row of [Hkv, P, g]; padding rows go to spare rows past the end (distinct addresses: a
-  # masked scatter to a shared dummy address is not a no-op in the interpreter)
-  out = jnp.where(hv, (row_kv * n_prog + prog) * p.g + row_bit, p.hkv * n_prog * p.g + hr - p.hq)
-  cols = jnp.arange(p.dp, dtype=i32)
-  plgpu.store(o_ref.at[out[:, None], cols[None, :]], o)
-  plgpu.store(m_ref.at[out], m)
-  plgpu.store(l_ref.at[out], l)
 
 
 # ----------------------------------------------------------------------------
@@ -654,9 +481,6 @@ def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q
                  kv_pos_new, *, scale, return_stats, cfg: ClusteredConfig, backend):
   """Kernel B.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials,
   sel (int32 [Hkv, Cx] or [Hkv, g, Cx] for vote "q") | None)."""
-  if cfg.attend == "compact":
-    return _attend_compact(p, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos, kv_pos_new,
-                           scale=scale, return_stats=return_stats, cfg=cfg, backend=backend)
   hkv, num_l, _ = k.shape
   num_s = k_new.shape[1]
   dp = p.dp
@@ -682,60 +506,6 @@ def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q
   )(*args)
   o, m, l = outs[-3:]
   return o, m, l, (outs[0] if return_stats else None)
-
-
-def _attend_compact(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos, kv_pos_new, *,
-                    scale, return_stats, cfg: ClusteredConfig, backend):
-  """Kernel B as B1 (``_select_kernel``: the selected rows as a list) + B2
-  (``_stream_kernel``: the list split evenly over ``cfg.stream_programs`` programs).  Same
-  outputs as ``_attend_call``'s "ranges" kernel; P = stream programs + new-key programs."""
-  hkv, num_l, _ = k.shape
-  num_s = k_new.shape[1]
-  dp, bk = p.dp, p.block_k
-  cap = hkv * num_l
-  alloc = cm.cdiv(cap, bk) * bk + bk                     # tile-aligned, + one tile of slack
-  vote_q = p.vote == "q"
-  out_shape = []
-  if return_stats:
-    sel_shape = (hkv, p.g, p.cx) if vote_q else (hkv, p.cx)
-    out_shape.append(jax.ShapeDtypeStruct(sel_shape, jnp.int32))
-  out_shape.append(jax.ShapeDtypeStruct((alloc,), jnp.int32))
-  if vote_q:
-    out_shape.append(jax.ShapeDtypeStruct((alloc,), jnp.int32))
-  out_shape.append(jax.ShapeDtypeStruct((1,), jnp.int32))
-  sel_args = [jnp.reshape(threshold, (1,)).astype(jnp.float32), offs, x, ms, ls,
-              jnp.zeros((1,), jnp.int32)]
-  outs = pallas_call(
-      functools.partial(_select_kernel, p=p, cap=cap, return_stats=return_stats),
-      backend=backend, num_warps=cfg.select_warps, num_stages=1,
-      grid=(hkv, p.n_ex + p.n_cb), out_shape=out_shape,
-      input_output_aliases={len(sel_args) - 1: len(out_shape) - 1}, name="clustered_select",
-  )(*sel_args)
-  sel = outs[0] if return_stats else None
-  tables = outs[int(return_stats):]
-  cnt = tables[-1]
-  n_fix = cfg.stream_programs
-  n_newp = max(1, min(cm.cdiv(hkv * num_s, cfg.stream_new_keys), cm.cdiv(hkv * num_s, bk))) if num_s else 0
-  n_prog = n_fix + n_newp
-  rq = max(16, cm.next_pow2(p.hq))
-  args = [cnt, *tables[:-1], qf,
-          cm.pad_axis(k, 2, dp).reshape(cap, dp), cm.pad_axis(v, 2, dp).reshape(cap, dp)]
-  if num_s:
-    args += [q_pos.astype(jnp.int32), cm.pad_axis(k_new, 2, dp).reshape(hkv * num_s, dp),
-             cm.pad_axis(v_new, 2, dp).reshape(hkv * num_s, dp), kv_pos_new.astype(jnp.int32)]
-  rows = hkv * n_prog * p.g
-  spare = rq - p.hq                                     # 0 for 16, 32, 64 ... query heads
-  o, m, l = pallas_call(
-      functools.partial(_stream_kernel, p=p, cap=cap, n_fix=n_fix, n_newp=n_newp, rq=rq, scale=scale),
-      backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(n_prog,),
-      out_shape=[jax.ShapeDtypeStruct((rows + spare, dp), jnp.float32),
-                 jax.ShapeDtypeStruct((rows + spare,), jnp.float32),
-                 jax.ShapeDtypeStruct((rows + spare,), jnp.float32)],
-      name="clustered_stream",
-  )(*args)
-  if spare:
-    o, m, l = o[:rows], m[:rows], l[:rows]
-  return (o.reshape(hkv, n_prog, p.g, dp), m.reshape(hkv, n_prog, p.g), l.reshape(hkv, n_prog, p.g), sel)
 
 
 def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,

@@ -28,9 +28,6 @@ BF = jnp.bfloat16
 # cluster (clusters bigger than block_k), new-part chunks and exact-part programs.
 SMALL = ClusteredConfig(block_c=16, block_clusters=32, sub_clusters=16, block_k=16,
                         chunk_new=16, exact_programs=2)
-# Kernel B as a selection kernel writing one row list + list programs: 5 programs share ~8
-# tiles (some get none), the new part in 16-key programs that cross KV heads.
-COMPACT = dataclasses.replace(SMALL, attend="compact", stream_programs=5, stream_new_keys=16)
 
 
 # ----------------------------------------------------------------------------
@@ -251,10 +248,9 @@ MULTI_BLOCK = [(8, 2, "kv", jnp.float32, 32, 2), (8, 2, "q", jnp.float32, 32, 3)
                (8, 2, "kv", BF, 32, 2)]
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks,attend",
-                         [c + (1, "ranges") for c in DECODE_CASES] + [c + ("ranges",) for c in MULTI_BLOCK]
-                         + [c + (1, "compact") for c in DECODE_CASES])
-def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks, attend):
+@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks",
+                         [c + (1,) for c in DECODE_CASES] + MULTI_BLOCK)
+def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks):
   scale = d ** -0.5
   x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
   thr = threshold_for(x, meta, scale, vote)
@@ -264,8 +260,7 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_
   assert big, "need clusters larger than the row tile"
   x = poison_unselected(x, meta, sel_np)
   args = args_of(x, thr)
-  cfg = dataclasses.replace(COMPACT if attend == "compact" else SMALL, score_blocks=score_blocks,
-                            score_stages=min(score_blocks, 2))
+  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2))
   out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=True,
                                               backend="interpret", config=cfg)
   ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
@@ -280,10 +275,9 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_
   assert rel(out, ref) < tol
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,cfg", [(8, 2, "kv", jnp.float32, SMALL), (8, 2, "q", jnp.float32, SMALL),
-                                                     (3, 3, "kv", jnp.float32, SMALL), (8, 2, "kv", BF, SMALL),
-                                                     (8, 2, "q", jnp.float32, COMPACT), (3, 3, "kv", BF, COMPACT)])
-def test_decode_selected_matches_reference_and_bruteforce(rng, hq, hkv, vote, dtype, cfg):
+@pytest.mark.parametrize("hq,hkv,vote,dtype", [(8, 2, "kv", jnp.float32), (8, 2, "q", jnp.float32),
+                                                 (3, 3, "kv", jnp.float32), (8, 2, "kv", BF)])
+def test_decode_selected_matches_reference_and_bruteforce(rng, hq, hkv, vote, dtype):
   """Attention over a selection made elsewhere (the hierarchical lookup's): random sets, one
   head selecting nothing (exact part + new keys only), selected empty clusters ignored."""
   x, meta = make_case(rng, hq=hq, hkv=hkv, dtype=dtype)
@@ -293,7 +287,7 @@ def test_decode_selected_matches_reference_and_bruteforce(rng, hq, hkv, vote, dt
   sel[-1] = False
   o_np, _, _ = brute(x, None, 0.2, vote, sel=sel)
   args = (x["q"], x["k"], x["v"], x["offs"], jnp.asarray(sel), x["kn"], x["vn"], x["qp"], x["kvp"])
-  out = clustered_decode_selected(*args, scale=0.2, vote=vote, backend="interpret", config=cfg)
+  out = clustered_decode_selected(*args, scale=0.2, vote=vote, backend="interpret", config=SMALL)
   ref = clustered_decode_selected_reference(*args, scale=0.2)
   assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
   assert not np.isnan(f64(out)).any()
@@ -302,9 +296,9 @@ def test_decode_selected_matches_reference_and_bruteforce(rng, hq, hkv, vote, dt
   # the same selection made by the scoring kernel gives the same output
   thr = threshold_for(x, meta, 0.2, vote)
   out2, sel2, _ = clustered_decode_attention(*args_of(x, thr), scale=0.2, vote=vote, return_stats=True,
-                                             backend="interpret", config=cfg)
+                                             backend="interpret", config=SMALL)
   out3 = clustered_decode_selected(*args[:4], sel2, *args[5:], scale=0.2, vote=vote, backend="interpret",
-                                   config=cfg)
+                                   config=SMALL)
   assert rel(out3, out2) < tol
   with pytest.raises(ValueError, match=r"selected must be bool \[Hs, C\]"):
     clustered_decode_selected(*args[:4], jnp.asarray(sel[:, :-1]), *args[5:], scale=0.2, vote=vote)
@@ -405,14 +399,14 @@ def dense_numpy(q, k, v, kn, vn, qp, kvp, scale):
   return out
 
 
-@pytest.mark.parametrize("vote,cfg", [("kv", SMALL), ("q", SMALL), ("kv", COMPACT), ("q", COMPACT)])
-def test_threshold_selecting_everything_is_dense_attention(rng, vote, cfg):
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_threshold_selecting_everything_is_dense_attention(rng, vote):
   d = 32
   scale = d ** -0.5
   x, meta = make_case(rng, d=d)
   out, sel, rows = clustered_decode_attention(*args_of(x, -1.0), scale=scale, vote=vote,
                                               return_stats=True, backend="interpret",
-                                              config=cfg)
+                                              config=SMALL)
   want = dense_numpy(f64(x["q"]), meta["k_orig"], meta["v_orig"], f64(x["kn"]), f64(x["vn"]),
                      np.asarray(x["qp"]), np.asarray(x["kvp"]), scale)
   assert rel(out, want) <= 1e-5
@@ -421,15 +415,14 @@ def test_threshold_selecting_everything_is_dense_attention(rng, vote, cfg):
   assert (np.asarray(rows) == meta["num_l"]).all()
 
 
-@pytest.mark.parametrize("cfg", [SMALL, COMPACT])
-def test_threshold_selecting_nothing_keeps_the_exact_part(rng, cfg):
+def test_threshold_selecting_nothing_keeps_the_exact_part(rng):
   d = 32
   scale = d ** -0.5
   x, meta = make_case(rng, d=d, unlabelled=0.05)
   x = poison_unselected(x, meta, np.zeros((2, meta["counts"].shape[1]), bool))
   out, sel, rows = clustered_decode_attention(*args_of(x, 1e30), scale=scale,
                                               return_stats=True, backend="interpret",
-                                              config=cfg)
+                                              config=SMALL)
   assert not np.asarray(sel).any()
   offs = np.asarray(x["offs"])
   np.testing.assert_array_equal(np.asarray(rows), meta["num_l"] - offs[:, -1])
@@ -450,8 +443,7 @@ def test_threshold_selecting_nothing_keeps_the_exact_part(rng, cfg):
   assert rel(out, want) <= 1e-5
 
 
-@pytest.mark.parametrize("cfg", [SMALL, COMPACT])
-def test_nothing_visible_gives_zero_not_nan(rng, cfg):
+def test_nothing_visible_gives_zero_not_nan(rng):
   d = 16
   # no exact part (no sink, no tail), nothing selected; new part all empty / in the future
   x, meta = make_case(rng, hq=4, hkv=2, num_c=11, n_sink=0, n_clustered=60, n_tail=0, d=d,
@@ -459,7 +451,7 @@ def test_nothing_visible_gives_zero_not_nan(rng, cfg):
   x["kvp"] = jnp.asarray([-1, -1, 10**6, -1, 10**6], jnp.int32)
   x["kn"] = jnp.where(x["kvp"][None, :, None] < 0, jnp.nan, x["kn"])
   out = clustered_decode_attention(*args_of(x, 1e30), scale=d ** -0.5, backend="interpret",
-                                   config=cfg)
+                                   config=SMALL)
   np.testing.assert_array_equal(np.asarray(out), 0.0)
   # one KV head with no valid cluster at all, S = 0, selection of everything
   x["offs"] = x["offs"].at[1].set(60)
@@ -469,7 +461,7 @@ def test_nothing_visible_gives_zero_not_nan(rng, cfg):
   x["kvp"] = x["kvp"][:0]
   out, sel, rows = clustered_decode_attention(*args_of(x, -1.0), scale=d ** -0.5,
                                               return_stats=True, backend="interpret",
-                                              config=cfg)
+                                              config=SMALL)
   ref = clustered_decode_attention_reference(*args_of(x, -1.0), scale=d ** -0.5)
   np.testing.assert_array_equal(np.asarray(out[2:]), 0.0)
   assert not np.asarray(sel)[1].any() and int(rows[1]) == 0 and int(rows[0]) == 60
@@ -487,8 +479,7 @@ def test_random_shapes(rng):
   cfg = ClusteredConfig(block_c=int(rng.choice([16, 32])), sub_clusters=16,
                         block_clusters=int(rng.choice([16, 32, 48])),
                         block_k=int(rng.choice([16, 32])), exact_programs=int(rng.integers(1, 4)),
-                        score_blocks=int(rng.integers(1, 4)), attend=str(rng.choice(["ranges", "compact"])),
-                        stream_programs=int(rng.integers(1, 12)), stream_new_keys=int(rng.choice([16, 48])))
+                        score_blocks=int(rng.integers(1, 4)))
   print(dict(hkv=hkv, g=g, num_c=num_c, n_cl=n_cl, d=d, vote=vote, cfg=cfg))
   x, meta = make_case(rng, hq=hkv * g, hkv=hkv, num_c=num_c, n_sink=int(rng.integers(0, 5)),
                       n_clustered=n_cl, n_tail=int(rng.integers(0, 20)), d=d,
@@ -695,8 +686,6 @@ def test_decode_selected_lowers(fake_h100):
     ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
     ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
     ClusteredConfig(score_blocks=4, score_stages=2),
-    ClusteredConfig(attend="compact"),
-    ClusteredConfig(attend="compact", block_k=32, num_stages=4, stream_programs=528),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
@@ -705,27 +694,6 @@ def test_decode_configs_lower(fake_h100, cfg):
          sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c, D)),
          sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32), sds((HKV, num_s, D)),
          sds((HKV, num_s, D)), sds((1,), jnp.int32), sds((num_s,), jnp.int32))
-
-
-@pytest.mark.parametrize("vote,return_stats", [("q", True), ("kv", True)])
-def test_decode_compact_lowers(fake_h100, vote, return_stats):
-  """Kernel B as selection + list kernels: scoring, selection, list attention, merge."""
-  num_l, num_c, num_s = 524288, 26214, 1024
-  _lower(lambda *a: clustered_decode_attention(*a, scale=D ** -0.5, vote=vote, return_stats=return_stats,
-                                               backend="pallas", config=ClusteredConfig(attend="compact")),
-         sds((HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c, D)),
-         sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32), sds((HKV, num_s, D)),
-         sds((HKV, num_s, D)), sds((1,), jnp.int32), sds((num_s,), jnp.int32))
-  assert len(fake_h100) == 4
-
-
-def test_compact_config_validation():
-  with pytest.raises(ValueError, match="attend must be one of"):
-    ClusteredConfig(attend="lists")
-  with pytest.raises(ValueError, match="stream_programs must be a positive int"):
-    ClusteredConfig(attend="compact", stream_programs=0)
-  with pytest.raises(ValueError, match="stream_new_keys must be a positive int"):
-    ClusteredConfig(stream_new_keys=-3)
 
 
 @pytest.mark.parametrize("vote", ["kv", "q"])
@@ -809,10 +777,9 @@ def _tree_thresholds(x, meta, tree, scale, vote):
   return t1, pick_threshold(f64(s2), cand, **kw)
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,cfg", [(8, 2, "kv", jnp.float32, SMALL), (8, 2, "q", jnp.float32, SMALL),
-                                                     (3, 3, "kv", jnp.float32, SMALL), (8, 2, "kv", BF, SMALL),
-                                                     (8, 2, "q", BF, SMALL), (8, 2, "kv", jnp.float32, COMPACT)])
-def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dtype, cfg):
+@pytest.mark.parametrize("hq,hkv,vote,dtype", [(8, 2, "kv", jnp.float32), (8, 2, "q", jnp.float32),
+                                                 (3, 3, "kv", jnp.float32), (8, 2, "kv", BF), (8, 2, "q", BF)])
+def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dtype):
   """clustered_decode_hierarchical (level-2 logits -> attention kernel) == the hierarchical lookup's
   selection (Eq. 2-3, float64 brute force) attended exactly (brute force), with the rows no head
   selects poisoned; and == its reference."""
@@ -829,7 +796,7 @@ def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dt
   x = poison_unselected(x, meta, sel_np)
   args = (x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
           jnp.float32(t1), jnp.float32(t2), x["kn"], x["vn"], x["qp"], x["kvp"])
-  out = clustered_decode_hierarchical(*args, scale=scale, vote=vote, backend="interpret", config=cfg,
+  out = clustered_decode_hierarchical(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
                                       lookup_config=CentroidLookupConfig(block_c=16, level2_blocks=2))
   ref = clustered_decode_hierarchical_reference(*args, scale=scale, vote=vote)
   assert out.dtype == x["q"].dtype and out.shape == x["q"].shape and not np.isnan(f64(out)).any()
@@ -837,7 +804,7 @@ def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dt
   assert rel(ref, o_np[:, 0]) < tol and rel(out, o_np[:, 0]) < tol
   # T1 above every level-1 score: no candidate, only the exact part and the new keys
   none = clustered_decode_hierarchical(*args[:8], jnp.float32(2.0), *args[9:], scale=scale, vote=vote,
-                                       backend="interpret", config=cfg)
+                                       backend="interpret", config=SMALL)
   o0, _, _ = brute(x, None, scale, vote, sel=np.zeros_like(sel_np))
   assert not np.isnan(f64(none)).any() and rel(none, o0[:, 0]) < tol
 
