@@ -639,30 +639,49 @@ class _ByteTokenizer:
         return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
 
 
-def _question_prefill_s(ctx, question: str) -> dict:
+def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
     """Where `ask`'s time to first token goes: the question's forward alone (median of 3, synced)
-    with the captures `ask` takes (every token's queries) and without, last logits only."""
-    from sqjax.fixed_context import _left_pad
+    with the captures `ask` takes (every token's queries) and without, last logits only; then
+    `ask`'s first-token path stage by stage, each synced (median of 3): the empty cache, the
+    forward with captures, the first token's sampling and its read on the host."""
+    from sqjax.fixed_context import _first_token, _left_pad
 
     padded = _left_pad(ctx._question_ids(question))
     out = {}
     for label, capture in (("with_captures", None), ("without_captures", False)):
         times = []
         for _ in range(4):
-            cache = ctx._new_cache(len(padded) + 16)
+            cache = ctx._new_cache(len(padded) + n_new)
             t0 = time.perf_counter()
             lg, _, _ = ctx._run(padded, ctx.n_tokens, cache, capture=capture, logits="last")
             jax.block_until_ready(lg)
             times.append(time.perf_counter() - t0)
         out[label] = float(np.median(times[1:]))
+    stages = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        cache = jax.block_until_ready(ctx._new_cache(len(padded) + n_new))
+        t1 = time.perf_counter()
+        lg, cache, caps = jax.block_until_ready(ctx._run(padded, ctx.n_tokens, cache, capture=None, logits="last"))
+        t2 = time.perf_counter()
+        int(_first_token(lg, jax.random.key(0), jnp.float32(0.0), jnp.float32(1.0), greedy=True, use_top_p=False))
+        stages.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        del cache, caps
+    med = np.median(np.asarray(stages[1:]), axis=0)
+    out["ask_stages"] = {"new_cache": float(med[0]), "forward_with_captures": float(med[1]),
+                         "first_token": float(med[2])}
     return out
+
+
+_ASK_TIMED_CALLS = 3   # `ask` calls timed after the first (which compiles); rows take their medians
 
 
 def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
     carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
-    context, for each (name, method, index): time to first token, median time per output token,
-    the whole call and the KV budget, each from the second of two calls (the first compiles)."""
+    context, for each (name, method, index): time to first token, time per output token (each
+    call's median) and the whole call, each the median over `_ASK_TIMED_CALLS` calls after the
+    first (which compiles; every call's values are kept), and the KV budget."""
     from sqjax.fixed_context import FixedContext
 
     question = ("Which of the measurements in the document above was taken on the largest input, and by how "
@@ -672,20 +691,29 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log)
         try:
             ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None, chat=False,
                                suffix_template="\n\n{question}", doc_sha256="random")
-            for _ in range(2):
+            calls = []
+            for _ in range(1 + _ASK_TIMED_CALLS):
                 t0 = time.perf_counter()
                 ans = ctx.ask(question, max_new_tokens=n_new)
-                wall = time.perf_counter() - t0
-            st = ans.stats
+                calls.append((ans.stats, time.perf_counter() - t0))
+            timed = calls[1:]                                   # the first call compiles
+            st = timed[-1][0]
+            ttft = [c.time_to_first_token_s for c, _ in timed]
+            per_tok = [c.time_per_output_token_s for c, _ in timed]
             rows[name] = {"n_prompt_tokens": st.n_prompt_tokens, "n_new_tokens": st.n_new_tokens,
-                          "ttft_s": st.time_to_first_token_s, "ms_per_token": 1e3 * st.time_per_output_token_s,
-                          "tokens_per_s": 1.0 / st.time_per_output_token_s, "ask_s": wall, "kv_budget": st.kv_budget,
-                          "question_prefill_s": _question_prefill_s(ctx, question)}
+                          "ttft_s": float(np.median(ttft)), "ms_per_token": 1e3 * float(np.median(per_tok)),
+                          "tokens_per_s": 1.0 / float(np.median(per_tok)),
+                          "ask_s": float(np.median([w for _, w in timed])), "kv_budget": st.kv_budget,
+                          "ttft_s_calls": ttft, "ms_per_token_calls": [1e3 * x for x in per_tok],
+                          "question_prefill_s": _question_prefill_s(ctx, question, n_new)}
             log(f"[e2e] ask, {name}: question prefill alone "
                 f"{1e3 * rows[name]['question_prefill_s']['with_captures']:.1f} ms with captures, "
                 f"{1e3 * rows[name]['question_prefill_s']['without_captures']:.1f} ms without")
-            log(f"[e2e] ask, {name}: TTFT {1e3 * st.time_to_first_token_s:.1f} ms, "
-                f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {wall:.2f} s, "
+            log(f"[e2e] ask, {name}: stages of the first token (synced) "
+                + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in rows[name]["question_prefill_s"]["ask_stages"].items()))
+            log(f"[e2e] ask, {name}: TTFT {1e3 * rows[name]['ttft_s']:.1f} ms (calls: "
+                + ", ".join(f"{1e3 * x:.1f}" for x in ttft) + "), "
+                f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {rows[name]['ask_s']:.2f} s, "
                 f"KV budget {st.kv_budget:.3f}")
             del ctx
         except Exception as e:  # noqa: BLE001

@@ -110,6 +110,12 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
         assert row["n_new_tokens"] == 3 and row["n_prompt_tokens"] > 0 and row["ms_per_token"] > 0
         assert row["tokens_per_s"] == pytest.approx(1e3 / row["ms_per_token"]) and row["ask_s"] >= row["ttft_s"] > 0
         assert row["question_prefill_s"]["with_captures"] > 0 and row["question_prefill_s"]["without_captures"] > 0
+        # medians over the timed calls (the first, compiling, call is left out); every call kept
+        assert len(row["ttft_s_calls"]) == len(row["ms_per_token_calls"]) == 3
+        assert row["ttft_s"] == pytest.approx(float(np.median(row["ttft_s_calls"])))
+        assert row["ms_per_token"] == pytest.approx(float(np.median(row["ms_per_token_calls"])))
+        stages = row["question_prefill_s"]["ask_stages"]
+        assert set(stages) == {"new_cache", "forward_with_captures", "first_token"} and min(stages.values()) > 0
     assert ask["full"]["kv_budget"] == 1.0 and 0 < ask["squeezed"]["kv_budget"] < 1.0
     assert ask["speedup"] == ask["squeezed"]["tokens_per_s"] / ask["full"]["tokens_per_s"]
     assert "`FixedContext.ask` on the same model" in (tmp_path / "speed.md").read_text()
