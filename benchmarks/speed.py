@@ -1284,6 +1284,52 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merge_runs(runs: list[dict], names: list[str]) -> dict:
+    """One result from several runs of the suite on the same commit (a run split by section, phase
+    or length to fit a machine's time limit): kernel rows and errors concatenated, the offline and
+    end-to-end sections from the run that has them, the plan's lengths, sparsities, phases and
+    shapes united, seconds summed, each run's plan and seconds kept under `merged_from`. Every row
+    keeps the dense baselines of its own run."""
+    if not runs:
+        raise ValueError("nothing to merge: give at least one run directory")
+    commits = {n: r.get("meta", {}).get("git_commit") for n, r in zip(names, runs)}
+    if len(set(commits.values())) != 1:
+        raise ValueError(f"runs of different commits cannot be merged: {commits}")
+    out = {k: v for k, v in runs[0].items() if k not in ("offline", "e2e")}
+    for section in ("offline", "e2e"):
+        have = [n for n, r in zip(names, runs) if section in r]
+        if len(have) > 1:
+            raise ValueError(f"the {section} section is in more than one run ({', '.join(have)}): keep one")
+        if have:
+            out[section] = runs[names.index(have[0])][section]
+    out["kernels"] = [row for r in runs for row in r.get("kernels", [])]
+    out["errors"] = [e for r in runs for e in r.get("errors", [])]
+    out["seconds"] = sum(r.get("seconds", 0.0) for r in runs)
+    plan = dict(runs[0]["plan"])
+    for key in ("lengths", "sparsities", "phases"):
+        plan[key] = sorted({x for r in runs for x in r["plan"].get(key, [])})
+    shapes = [list(s) for r in runs for s in r["plan"].get("shapes", [])]
+    plan["shapes"] = [s for i, s in enumerate(shapes) if s not in shapes[:i]]   # first run's first shape stays first
+    out["plan"] = plan
+    out["merged_from"] = {n: {"seconds": r.get("seconds"), "plan": r["plan"]} for n, r in zip(names, runs)}
+    return out
+
+
+def _write_merged(dirs: list[str], out_dir: Path) -> dict:
+    runs = []
+    for d in dirs:
+        f = Path(d) / "speed.json"
+        if not f.is_file():
+            raise SystemExit(f"--merge: {f} does not exist (give directories written by --out)")
+        runs.append(json.loads(f.read_text()))
+    res = merge_runs(runs, [str(d) for d in dirs])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "speed.json", res)
+    (out_dir / "speed.md").write_text(to_markdown(res))
+    plot(res, out_dir / "fig4_latency_vs_sparsity.png")
+    return res
+
+
 def main(argv_or_args=None) -> int:
     if isinstance(argv_or_args, argparse.Namespace):
         a = argv_or_args
@@ -1307,7 +1353,13 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--shapes", default="", help="kernel sweep (Hq, Hkv) shapes, e.g. 32x8,32x32")
     ap.add_argument("--budget-s", type=float, default=0.0)
     ap.add_argument("--phases", default="", help="decode,prefill (default both)")
+    ap.add_argument("--merge", default="", help="comma list of --out directories of runs on one commit: write their "
+                    "merged speed.json / speed.md / plot to --out (no GPU needed, nothing is measured)")
     args = ap.parse_args(argv_or_args)
+    if args.merge:
+        res = _write_merged(args.merge.split(","), Path(args.out))
+        print(f"merged {len(res['merged_from'])} runs: {len(res['kernels'])} kernel rows -> {args.out}")
+        return 0
     plan = cpu_plan() if args.cpu_smoke else Plan()
     if args.quick:
         plan = dataclasses.replace(plan, lengths=(131072,), sparsities=(0.9,), offline_layers=4, e2e_layers=4, reps=5)

@@ -186,3 +186,39 @@ def test_phase_thresholds_keep_the_nominal_fraction():
             else:
                 assert thr1 == float(index.threshold1) == 0.0
     jax.clear_caches()
+
+
+def _run(commit, lengths, phases, rows, seconds, **sections):
+    return {"meta": {"git_commit": commit, "device": "gpu:test", "jax": "0.11.2"},
+            "plan": {"lengths": lengths, "sparsities": [0.9], "phases": phases, "shapes": [[32, 8]], "d": 128,
+                     "hq": 32, "hkv": 8},
+            "keys": "test", "kernels": rows, "errors": [f"{phases[0]} error"], "seconds": seconds, **sections}
+
+
+def test_merge_runs_joins_split_runs_of_one_commit(tmp_path):
+    """A suite split by phase/length (a machine's time limit) merges into one result: rows and errors
+    concatenated in order, plan axes united, seconds summed, each run's plan kept; the e2e section comes
+    from the one run that has it; runs of two commits or a section twice are refused."""
+    from benchmarks.speed import main, merge_runs
+
+    a = _run("abc", [32768, 131072], ["decode"], [{"L": 32768, "tag": 1}, {"L": 131072, "tag": 2}], 10.0)
+    b = _run("abc", [524288], ["prefill"], [{"L": 524288, "tag": 3}], 5.0, e2e={"speedup": 1.5})
+    m = merge_runs([a, b], ["a", "b"])
+    assert [r["tag"] for r in m["kernels"]] == [1, 2, 3]
+    assert m["plan"]["lengths"] == [32768, 131072, 524288] and m["plan"]["phases"] == ["decode", "prefill"]
+    assert m["plan"]["shapes"] == [[32, 8]] and m["seconds"] == 15.0
+    assert m["errors"] == ["decode error", "prefill error"] and m["e2e"] == {"speedup": 1.5}
+    assert m["merged_from"]["b"]["plan"]["lengths"] == [524288] and m["meta"]["git_commit"] == "abc"
+    with pytest.raises(ValueError, match="different commits"):
+        merge_runs([a, _run("def", [1], ["decode"], [], 1.0)], ["a", "c"])
+    with pytest.raises(ValueError, match="e2e section is in more than one run"):
+        merge_runs([b, b], ["b1", "b2"])
+    # the command line: reads each --out directory, writes the merged files, measures nothing
+    for name, run in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "speed.json").write_text(json.dumps(run))
+    assert main(["--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "speed.json").read_text())
+    assert [r["tag"] for r in merged["kernels"]] == [1, 2, 3] and (tmp_path / "m" / "speed.md").is_file()
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "m2")])
