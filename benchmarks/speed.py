@@ -1297,11 +1297,12 @@ def merge_runs(runs: list[dict], names: list[str]) -> dict:
         raise ValueError(f"runs of different commits cannot be merged: {commits}")
     out = {k: v for k, v in runs[0].items() if k not in ("offline", "e2e")}
     for section in ("offline", "e2e"):
-        have = [n for n, r in zip(names, runs) if section in r]
+        have = [(n, r[section]) for n, r in zip(names, runs) if section in r]
         if len(have) > 1:
-            raise ValueError(f"the {section} section is in more than one run ({', '.join(have)}): keep one")
+            raise ValueError(f"the {section} section is in more than one run ({', '.join(n for n, _ in have)}): "
+                             "keep one")
         if have:
-            out[section] = runs[names.index(have[0])][section]
+            out[section] = have[0][1]
     out["kernels"] = [row for r in runs for row in r.get("kernels", [])]
     out["errors"] = [e for r in runs for e in r.get("errors", [])]
     out["seconds"] = sum(r.get("seconds", 0.0) for r in runs)
