@@ -115,10 +115,19 @@ def forward(
     return model.logits(model.norm(h)), cache, captures
 
 
-forward_jit = jax.jit(
-    forward, static_argnames=("attn_fn", "capture_last", "logits"), donate_argnames=("cache",)
-)
+_JIT_ARGS = dict(static_argnames=("attn_fn", "capture_last", "logits"), donate_argnames=("cache",))
+forward_jit = jax.jit(forward, **_JIT_ARGS)
 forward_jit.__doc__ = "`forward` under jax.jit (attn_fn, capture_last, logits static; cache donated)."
+
+# On GPU, XLA records an executable's kernels into a CUDA graph on its second execution and updates
+# the graph whenever the buffers it runs on change. A question's prefill runs once per question on a
+# fresh cache, so it paid both: on an H200 (8B-shaped model, 128K context, Squeezed) the first question
+# after the compiling one took 44 instead of 29 ms to its first token, and a prefill on a new cache
+# 35 instead of 29 ms (benchmarks/results/gpu_h200_ask/first_call/). Compiled without command
+# buffers it pays neither; the decode steps, which rerun on the same donated buffers, keep them.
+prefill_jit = jax.jit(forward, **_JIT_ARGS, compiler_options={"xla_gpu_enable_command_buffer": ""})
+prefill_jit.__doc__ = ("`forward_jit` compiled without XLA's command buffers (CUDA graphs): for a forward that "
+                       "runs once per call on fresh buffers (a question's prefill).")
 
 
 @partial(jax.jit)

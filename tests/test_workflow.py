@@ -77,15 +77,47 @@ def test_questions_reuse_one_prefill(model, monkeypatch):
 
 
 def test_decode_step_compiles_once(model):
-    from models.forward import forward_jit
+    from models.forward import forward_jit, prefill_jit
 
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
     ctx.ask("Which aisle holds the lamps?", max_new_tokens=3, stop_ids=())
-    before, before_step = forward_jit._cache_size(), fc._ask_step._cache_size()
+    before = forward_jit._cache_size(), prefill_jit._cache_size(), fc._ask_step._cache_size()
     ans = ctx.ask("Which aisle holds a rug?", max_new_tokens=12, stop_ids=())
     assert len(ans.token_ids) == 12
     # same bucket: no new compilation for prefill or decode
-    assert forward_jit._cache_size() == before and fc._ask_step._cache_size() == before_step
+    assert (forward_jit._cache_size(), prefill_jit._cache_size(), fc._ask_step._cache_size()) == before
+
+
+def test_prefills_run_without_command_buffers(model, monkeypatch, rng):
+    """A question's or a text's prefill (T > 1, once per call on a fresh cache) goes through
+    `prefill_jit` (no XLA command buffers: benchmarks/results/gpu_h200_ask/first_call/), one-token
+    steps through `forward_jit`; both give the same logits."""
+    import importlib
+
+    mf = importlib.import_module("models.forward")   # `models.forward` the attribute is the function
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
+    seen = []
+    for name in ("forward_jit", "prefill_jit"):
+        real = getattr(mf, name)
+        monkeypatch.setattr(mf, name, lambda *a, _n=name, _r=real, **k: seen.append((_n, a[2].shape[1])) or _r(*a, **k))
+    ctx.ask("Which aisle holds the lamps?", max_new_tokens=3, stop_ids=())
+    cont = rng.integers(100, 40000, size=9).astype(np.int32)
+    ctx.score_ids(cont)
+    assert [n for n, t in seen] == ["prefill_jit", "prefill_jit"] and all(t > 1 for _, t in seen)
+    seen.clear()
+    ctx.score_ids(cont[:3], mode="decode")
+    assert seen == [("forward_jit", 1)] * 2
+    monkeypatch.undo()
+    ids = np.concatenate([np.full(5, -1, np.int32), cont])
+    a = ctx._forward(*(jnp.asarray(x[None]) for x in _tokens_positions(ids, ctx.n_tokens)), ctx._new_cache(len(ids)), False)
+    b = mf.forward_jit(ctx.model.graphdef, ctx.model.state, *(jnp.asarray(x[None]) for x in _tokens_positions(ids, ctx.n_tokens)),
+                       ctx._new_cache(len(ids)), attn_fn=ctx._hook, attn_state=ctx._state, capture_last=False)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+def _tokens_positions(ids, start):
+    pos = np.where(ids >= 0, start + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
+    return np.where(ids >= 0, ids, 0).astype(np.int32), pos
 
 
 def _sample(logits, key, temperature: float, top_p: float):
