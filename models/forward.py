@@ -125,7 +125,8 @@ forward_jit.__doc__ = "`forward` under jax.jit (attn_fn, capture_last, logits st
 # after the compiling one took 44 instead of 29 ms to its first token, and a prefill on a new cache
 # 35 instead of 29 ms (benchmarks/results/gpu_h200_ask/first_call/). Compiled without command
 # buffers it pays neither; the decode steps, which rerun on the same donated buffers, keep them.
-prefill_jit = jax.jit(forward, **_JIT_ARGS, compiler_options={"xla_gpu_enable_command_buffer": ""})
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}   # jax.jit compiler_options, per executable
+prefill_jit = jax.jit(forward, **_JIT_ARGS, compiler_options=NO_COMMAND_BUFFERS)
 prefill_jit.__doc__ = ("`forward_jit` compiled without XLA's command buffers (CUDA graphs): for a forward that "
                        "runs once per call on fresh buffers (a question's prefill).")
 
