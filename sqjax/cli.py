@@ -141,26 +141,52 @@ def cmd_index(args) -> int:
     return 0
 
 
+def _questions(args) -> list[str]:
+    """The questions of `sqjax ask`, in order: each argument, and for ``-`` every non-blank line of
+    stdin. All are checked before the model loads, so a bad one costs nothing."""
+    from sqjax.fixed_context import SqjaxError
+
+    qs = []
+    for q in args.questions:
+        if q == "-":
+            lines = [line.strip() for line in sys.stdin]
+            qs += [line for line in lines if line]
+            if not any(lines):
+                raise SqjaxError("no questions on stdin: give one question per line")
+        elif not q.strip():
+            where = f" {len(qs) + 1} on the command line" if len(args.questions) > 1 else ""
+            raise SqjaxError(f"question{where} is empty: ask something")
+        else:
+            qs.append(q)
+    return qs
+
+
 def cmd_ask(args) -> int:
     import sqjax
     from sqjax.fixed_context import FixedContext, SqjaxError
     from sqjax.index_io import IndexFileError, read_header
 
+    questions = _questions(args)
     path = Path(args.index)
     try:
         header = read_header(path)
     except IndexFileError as e:
         raise SqjaxError(str(e)) from None
     model = sqjax.load_model(args.model or header.get("model_source") or "smollm2-135m")
-    ctx = FixedContext.load(path, model)
+    ctx = FixedContext.load(path, model)   # loaded (and compiled) once for every question
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
-    ans = ctx.ask(args.question, max_new_tokens=args.max_new_tokens, on_token=stream)
-    if args.json:
-        _out(args, {"answer": str(ans), "token_ids": ans.token_ids, "stats": ans.stats.to_dict()}, "")
-    else:
-        s = ans.stats
-        print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, "
-              f"{1e3 * s.time_per_output_token_s:.1f} ms/token{', OVERFLOW' if s.overflow else ''}]")
+    for q in questions:
+        if len(questions) > 1 and not args.json:
+            print(f"Q: {q}")
+        ans = ctx.ask(q, max_new_tokens=args.max_new_tokens, on_token=stream)
+        if args.json:   # JSON Lines: one object per question, printed as soon as it is answered
+            print(json.dumps({"question": q, "answer": str(ans), "token_ids": ans.token_ids,
+                              "stats": ans.stats.to_dict()}, default=float), flush=True)
+        else:
+            s = ans.stats
+            print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, "
+                  f"{1e3 * s.time_per_output_token_s:.1f} ms/token{', OVERFLOW' if s.overflow else ''}]"
+                  + ("\n" if len(questions) > 1 else ""))
     return 0
 
 
@@ -214,10 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
     i.set_defaults(fn=cmd_index)
 
-    a = sub.add_parser("ask", help="answer a question against an index")
+    a = sub.add_parser("ask", help="answer questions against an index (model and index loaded once)")
     common(a)
     a.add_argument("index")
-    a.add_argument("question")
+    a.add_argument("questions", nargs="+", metavar="question",
+                   help="one or more questions; '-' reads one question per line from stdin. "
+                        "With --json, one JSON object per question and line")
     a.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")
     a.add_argument("--max-new-tokens", type=int, default=64)
     a.set_defaults(fn=cmd_ask)

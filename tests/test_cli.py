@@ -102,6 +102,34 @@ def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
     assert code != 0 and "tokens too many" in _error_line(err) and "--truncate" in err
 
 
+def test_ask_many_questions_in_one_process(capsys, monkeypatch, model_dir, doc_file, tmp_path):
+    """Several questions (arguments and '-' = stdin lines, blank lines skipped) against one loaded
+    index: one JSON line each, in order, each answer the one the question gets on its own."""
+    import io
+
+    idx = tmp_path / "many.sqx"
+    assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--sparsity", "0.8", "--json"]) == 0
+    capsys.readouterr()
+    qs = ["Which valve was serviced in room 3?", "Which room?", "What colour was record 5?"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[1]}\n\n  {qs[2]}  \n"))
+    code, out, err = _run(capsys, "ask", str(idx), qs[0], "-", "--model", model_dir, "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["question"] for r in rows] == qs
+    assert all(1 <= len(r["token_ids"]) <= 4 and 0 < r["stats"]["kv_budget"] <= 1 for r in rows)
+    code, out, err = _run(capsys, "ask", str(idx), qs[2], "--model", model_dir, "--max-new-tokens", "4", "--json")
+    assert code == 0 and json.loads(out)["token_ids"] == rows[2]["token_ids"]
+    # text output: a header per question, the streamed answer, a stats line each
+    code, out, _ = _run(capsys, "ask", str(idx), qs[0], qs[1], "--model", model_dir, "--max-new-tokens", "2")
+    assert code == 0 and out.count("Q: ") == 2 and out.count("KV budget") == 2
+    # checked before anything loads: a blank question among several, nothing on stdin
+    code, out, err = _run(capsys, "ask", str(idx), qs[0], " ", "--model", model_dir)
+    assert code != 0 and not out and "question 2 on the command line is empty" in _error_line(err)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    code, out, err = _run(capsys, "ask", str(idx), "-", "--model", model_dir)
+    assert code != 0 and not out and "no questions on stdin" in _error_line(err)
+
+
 def test_ask_errors(capsys, model_dir, doc_file, tmp_path):
     idx = tmp_path / "ok.sqx"
     assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--json"]) == 0
