@@ -74,10 +74,6 @@ class CentroidLookupConfig:
     (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
     slower on an H200 at 512K (benchmarks/results/gpu_h200_hierarchical/decode_sweep_1f0414e);
     kept for sweeps on other GPUs.
-  level2_counts_by_index: the level-2 decode kernel loads each row's count (or offsets) by
-    index, beside the parent, instead of after deciding which rows are live: one dependent
-    load fewer before the centroid rows (parent -> level-1 score -> rows), for reading the
-    counts of dead rows too (4-8 bytes each).
   """
   block_c: int = 128
   block_t: int = 64
@@ -91,7 +87,6 @@ class CentroidLookupConfig:
   level2_unroll: bool = False
   score_splits: int | None = None
   stats_splits: int | None = None
-  level2_counts_by_index: bool = False
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -125,7 +120,7 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # Kernels.
 # ----------------------------------------------------------------------------
 def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None, offsets_l=None,
-                         rows_wait_counts=True, counts_by_index=False):
+                         rows_wait_counts=True):
   """Rows ``j`` of KV head ``kv``: (validity, counts, rows).  ``live`` [Bc] bool: the
   rows that may be read at all (default ``j < num_c``); masked loads move no bytes.
   ``offsets_l`` = L: ``n_ref`` holds a cluster-contiguous layout's offsets [Hkv * (C + 1)]
@@ -133,18 +128,15 @@ def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None, offsets_l=
   reads them).  ``rows_wait_counts``: an empty cluster's row is not read (its load waits for
   the counts); False: rows are read under ``live`` alone and the load does not wait (the
   prefill scoring pass, which loads one block per program: measured 5% faster on an H200,
-  benchmarks/results/gpu_h200_prefill_lookup; the decode scoring kernels measured slower).
-  ``counts_by_index``: the counts load under ``j < num_c`` rather than ``live``, so it does not
-  wait for ``live``."""
+  benchmarks/results/gpu_h200_prefill_lookup; the decode scoring kernels measured slower)."""
   cv = j < num_c if live is None else live
-  ncv = j < num_c if counts_by_index else cv
   row = kv * num_c + j
   if offsets_l is None:
-    cnt = cm.gather_vec(n_ref, row, ncv, other=0)                 # [Bc] int32
+    cnt = cm.gather_vec(n_ref, row, cv, other=0)                  # [Bc] int32
   else:
     base = kv * (num_c + 1) + j
-    lo = jnp.clip(cm.gather_vec(n_ref, base, ncv, other=0), 0, offsets_l)
-    hi = jnp.clip(cm.gather_vec(n_ref, base + 1, ncv, other=0), 0, offsets_l)
+    lo = jnp.clip(cm.gather_vec(n_ref, base, cv, other=0), 0, offsets_l)
+    hi = jnp.clip(cm.gather_vec(n_ref, base + 1, cv, other=0), 0, offsets_l)
     cnt = jnp.maximum(hi - lo, 0)
   valid = cv & (cnt > 0)
   c = cm.gather_rows(c_ref, row, d, valid if rows_wait_counts else cv)   # [Bc, d]
@@ -198,7 +190,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
                    n_ref,      # [Hkv * C] int32
                    *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
                    scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False,
-                   logits=False, offsets_l=None, counts_by_index=False):
+                   logits=False, offsets_l=None):
   """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
   C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
   (computed here from the level-1 kernel's raw outputs) and the live rows are
@@ -227,7 +219,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
       live = _level2_live(refs[:6], stats, kv=kv, j=j, num_c=num_c, num_p=num_p, group=group, r=r,
                           nb1=nb1, bc1=bc1)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live,
-                                         offsets_l=offsets_l, counts_by_index=counts_by_index)
+                                         offsets_l=offsets_l)
     s = plgpu.dot(q, c, trans_b=True) * scale                     # [rp, Bc] f32
     s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m = jnp.max(s, axis=1)                                        # [rp]
@@ -430,7 +422,7 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
       block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits,
-      offsets_l=offsets_l, counts_by_index=cfg.level2_counts_by_index and level1 is not None)
+      offsets_l=offsets_l)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb // blocks), out_shape=outs,

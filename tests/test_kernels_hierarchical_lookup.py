@@ -237,21 +237,6 @@ def test_decode_level2_blocks_per_program(rng, blocks, unroll):
   np.testing.assert_allclose(got[1], rsc, rtol=3e-5, atol=1e-8)
 
 
-def test_decode_level2_counts_by_index(rng):
-  """Level-2 counts loaded by index (not waiting for the live rows): the same outputs."""
-  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 1, 11, 150, 32, jnp.float32, parent_major=True)
-  q = q[:, 0]
-  t1, t2 = thresholds(q, c1, n1, "kv", 0.2)
-  want, got = (hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret",
-                                          config=CentroidLookupConfig(block_c=16, level2_counts_by_index=b))
-               for b in (False, True))
-  touched = np.asarray(want[2])                     # C1 + level-2 candidates: some pruned, some scored
-  assert (touched > c1.shape[1]).all() and (touched < c1.shape[1] + c2.shape[1]).all()
-  assert np.asarray(want[1]).any()
-  for a, b in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 @pytest.mark.parametrize("stats_splits", [1, 3])
 def test_prefill_statistics_splits(rng, stats_splits):
   """The level-2 statistics pass over the compacted candidates shared by several programs
