@@ -147,14 +147,14 @@ def _questions(args) -> list[str]:
     from sqjax.fixed_context import SqjaxError
 
     qs = []
-    for q in args.questions:
+    for i, q in enumerate(args.questions, 1):
         if q == "-":
-            lines = [line.strip() for line in sys.stdin]
-            qs += [line for line in lines if line]
-            if not any(lines):
+            lines = [line for line in map(str.strip, sys.stdin) if line]
+            if not lines:
                 raise SqjaxError("no questions on stdin: give one question per line")
+            qs += lines
         elif not q.strip():
-            where = f" {len(qs) + 1} on the command line" if len(args.questions) > 1 else ""
+            where = f" {i} on the command line" if len(args.questions) > 1 else ""
             raise SqjaxError(f"question{where} is empty: ask something")
         else:
             qs.append(q)

@@ -260,14 +260,11 @@ class FixedContext:
 
         fwd = prefill_jit if tokens.shape[1] > 1 else forward_jit
         return fwd(self.model.graphdef, self.model.state, tokens, positions, cache, attn_fn=self._hook,
-                           attn_state=self._state, capture_last=capture, logits=logits)
+                   attn_state=self._state, capture_last=capture, logits=logits)
 
     def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool, logits: str = "all"):
         """Forward `ids` (−1 = left padding) at positions start_pos.. through the sparse hook."""
-        ids = np.asarray(ids, np.int32)
-        pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
-        tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
-        return self._forward(jnp.asarray(tokens[None]), jnp.asarray(pos[None]), cache, capture, logits)
+        return self._forward(*_tokens_positions(ids, start_pos), cache, capture, logits)
 
     def _new_cache(self, n: int):
         return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
@@ -571,6 +568,15 @@ def _first_token(logits, key, temperature, top_p, *, greedy: bool, use_top_p: bo
 
     return sample_logits(logits[0, -1:], jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy,
                          use_top_p=use_top_p)[0]
+
+
+def _tokens_positions(ids: np.ndarray, start_pos: int) -> tuple[jax.Array, jax.Array]:
+    """ids [n] (−1 = left padding) -> (tokens, positions) int32 [1, n]: padding is token 0 at
+    position −1, the real ids take positions start_pos, start_pos + 1, ..."""
+    ids = np.asarray(ids, np.int32)
+    pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
+    tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
+    return jnp.asarray(tokens[None]), jnp.asarray(pos[None])
 
 
 def _left_pad(ids: np.ndarray) -> np.ndarray:

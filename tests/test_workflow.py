@@ -109,15 +109,10 @@ def test_prefills_run_without_command_buffers(model, monkeypatch, rng):
     assert seen == [("forward_jit", 1)] * 2
     monkeypatch.undo()
     ids = np.concatenate([np.full(5, -1, np.int32), cont])
-    a = ctx._forward(*(jnp.asarray(x[None]) for x in _tokens_positions(ids, ctx.n_tokens)), ctx._new_cache(len(ids)), False)
-    b = mf.forward_jit(ctx.model.graphdef, ctx.model.state, *(jnp.asarray(x[None]) for x in _tokens_positions(ids, ctx.n_tokens)),
+    a = ctx._run(ids, ctx.n_tokens, ctx._new_cache(len(ids)), False)
+    b = mf.forward_jit(ctx.model.graphdef, ctx.model.state, *fc._tokens_positions(ids, ctx.n_tokens),
                        ctx._new_cache(len(ids)), attn_fn=ctx._hook, attn_state=ctx._state, capture_last=False)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
-
-
-def _tokens_positions(ids, start):
-    pos = np.where(ids >= 0, start + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
-    return np.where(ids >= 0, ids, 0).astype(np.int32), pos
 
 
 def _sample(logits, key, temperature: float, top_p: float):
