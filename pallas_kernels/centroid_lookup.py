@@ -67,8 +67,9 @@ class CentroidLookupConfig:
     statistics pass of a bounded (compacted level-2) call, their (max, denominator)
     combined after; None = 2.  Unbounded calls always use one.  At 512K / 4K tokens on an
     H200 1, 2 and 4 measured the same (gpu_h200_hierarchical/prefill_splits_994a427).
-  level2_block_k: level-2 centroid rows per tile of the hierarchical decode's level-2
-    kernel (``tree_lookup``; one program per level-1 block, power of two >= 16).
+  level2_parents, level2_block_k: the hierarchical decode's level-2 kernel (``tree_lookup``):
+    level-1 clusters per program (their children's rows are its work) and level-2 centroid
+    rows per tile, powers of two >= 16.
   """
   block_c: int = 128
   block_t: int = 64
@@ -78,6 +79,7 @@ class CentroidLookupConfig:
   score_block_t: int | None = None
   score_block_c: int | None = None
   score_warps: int | None = None
+  level2_parents: int = 32
   level2_block_k: int = 64
   score_splits: int | None = None
   stats_splits: int | None = None
@@ -96,6 +98,7 @@ class CentroidLookupConfig:
       if v is not None and (not isinstance(v, int) or v < 1):
         raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     cm.check_pow2("level2_block_k", self.level2_block_k)
+    cm.check_pow2("level2_parents", self.level2_parents)
 
 
 _LOG2E = 1.4426950408889634

@@ -583,7 +583,7 @@ def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_
   if tree is None:  # level-2 counts from the offsets, as the attention kernel reads the rows
     tree = hierarchical_tree(c2, offsets, parent, c1.shape[1], num_l)
   x, ms, ls, nb = level2_logits(q, tree, n1, e1, m1, l1, t1, scale=scale, groups=hs, cols=p.cx,
-                                block_k=lookup_cfg.level2_block_k, num_warps=lookup_cfg.num_warps,
+                                parents=lookup_cfg.level2_parents, block_k=lookup_cfg.level2_block_k, num_warps=lookup_cfg.num_warps,
                                 num_stages=lookup_cfg.num_stages, backend=backend)
   # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))

@@ -2,8 +2,8 @@
 
 The level-1 decode kernel (``centroid_lookup.lookup_decode_raw`` over ``C^(1)``) leaves its raw
 block outputs: ``e1 = exp(s q.C1 - m_b)`` [Hkv, nB1, g, Bc1] with the block maxima and
-denominators.  This kernel gives each program the ``Bc1`` level-1 clusters of one such block
-(one selection head):
+denominators.  This kernel gives each program ``parents`` consecutive level-1 clusters (a part
+of one such block) of one selection head:
 
 1. Eq. 2 for those parents: ``S1_p = mean_h e1_hp exp(m_hb - M_h) / D_h`` (``M, D`` reduced from
    all level-1 blocks of the heads), kept iff ``N1_p > 0`` and ``S1_p >= T1``;
@@ -14,8 +14,8 @@ denominators.  This kernel gives each program the ``Bc1`` level-1 clusters of on
    keeps ``MASK``: non-candidates), and the program's ``(m, l)`` with ``l = sum N2 exp(x - m)``,
    so that Eq. 3's denominator over the candidates is the log-sum-exp merge of the programs.
 
-So only candidate rows are read, and the grid has one program per level-1 block (41 per head at
-512K with 1% / 5% centroids) instead of one per level-2 block.  The ``TreeLayout`` is built once
+So only candidate rows are read, and the grid has one program per ``parents`` level-1 clusters
+(164 per head at 512K with 1% / 5% centroids and 32 parents) instead of one per level-2 block.  The ``TreeLayout`` is built once
 per layer (``tree_layout``: a sort, not for a decode step); any level-2 numbering works.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call
 
 __all__ = ["TreeLayout", "tree_layout", "level2_logits"]
+
+_ABLATE: set = set()   # EXPERIMENT ONLY (ablation run): parts of the kernel left out
 
 
 class TreeLayout(NamedTuple):
@@ -87,9 +89,9 @@ def _kernel(t1_ref,      # [1] f32 T1
             l1_ref,      # [Hkv * nB1 * g] f32
             x_in_ref,    # [G * R, Cx] f32, MASK (aliased to x_ref)
             x_ref,       # out [G * R, Cx] f32 scaled level-2 logits at the candidates' columns (Cx > C2)
-            m_ref,       # out [G, R, nB1p] f32 program max
-            l_ref,       # out [G, R, nB1p] f32 program sum N2 exp(x - m)
-            *, scale, num_c1, num_c2, group, r, rp, bc1, nb1, nb1p, block_k, d):
+            m_ref,       # out [G, R, nPp] f32 program max
+            l_ref,       # out [G, R, nPp] f32 program sum N2 exp(x - m)
+            *, scale, num_c1, num_c2, group, r, rp, bc1, nb1, nb1p, bp, block_k, d):
   del x_in_ref
   i32 = jnp.int32
   grp = pl.program_id(0)
@@ -104,12 +106,12 @@ def _kernel(t1_ref,      # [1] f32 T1
   hv2 = h2 < r
   row1 = cm.krem(grp * r + h2, group)                               # the heads' rows in e1
   mx, inv = _level1_stats(m1_ref, l1_ref, kv=kv, row1=row1, hv=hv2, nb1=nb1, nb1p=nb1p, group=group)
-  pc = jnp.arange(bc1, dtype=i32)
-  p = pb * bc1 + pc
+  p = pb * bp + jnp.arange(bp, dtype=i32)                          # this program's parents
   pv = p < num_c1
-  blk = (kv * nb1 + pb) * group + row1                              # [r2]
+  b1 = cm.kdiv(pb * bp, bc1)                                        # their level-1 block (bp divides bc1)
+  blk = (kv * nb1 + b1) * group + row1                              # [r2]
   em = hv2[:, None] & pv[None, :]
-  e1 = plgpu.load(e1_ref.at[jnp.where(em, blk[:, None] * bc1 + pc[None, :], 0)], mask=em, other=0.0)
+  e1 = plgpu.load(e1_ref.at[jnp.where(em, blk[:, None] * bc1 + (p - b1 * bc1)[None, :], 0)], mask=em, other=0.0)
   mb = plgpu.load(m1_ref.at[jnp.where(hv2, blk, 0)], mask=hv2, other=0.0)
   w = jnp.where(hv2, jnp.exp(mb - mx) * inv, 0.0)
   s1 = jnp.sum(e1 * w[:, None], axis=0) * (1.0 / r)                 # [Bc1]
@@ -126,12 +128,18 @@ def _kernel(t1_ref,      # [1] f32 T1
   delta = lo - vstart                                               # row = j + delta
   jj = jnp.arange(block_k, dtype=i32)
   xrow = grp * r + jnp.where(hv, hr, 0)
+  lo0 = jnp.min(jnp.where(pv, lo, num_c2))
+  if "noloop" in _ABLATE:
+    total = total * 0
 
   def tile(t, carry):
     m_run, l_run = carry
     j = t * block_k + jj
     jv = j < total
-    row = jnp.clip(j + cm.range_row_offset(j, vstart, delta), 0, num_c2 - 1)
+    if "nosearch" in _ABLATE:
+      row = jnp.clip(j + lo0, 0, num_c2 - 1)
+    else:
+      row = jnp.clip(j + cm.range_row_offset(j, vstart, delta), 0, num_c2 - 1)
     rows = kv * num_c2 + row
     c = cm.gather_rows(c_ref, rows, d, jv)                          # [Bk, dp]
     n = cm.gather_vec(n_ref, rows, jv, other=0)
@@ -142,7 +150,8 @@ def _kernel(t1_ref,      # [1] f32 T1
     # masked lanes point at the spare column C2 (never a cluster's): no two lanes of the store
     # share a cell with a live one (the interpreter writes masked lanes back)
     live = hv[:, None] & valid[None, :]
-    plgpu.store(x_ref.at[xrow[:, None], jnp.where(live, cid[None, :], num_c2)], s, mask=live)
+    if "nostore" not in _ABLATE:
+      plgpu.store(x_ref.at[xrow[:, None], jnp.where(live, cid[None, :], num_c2)], s, mask=live)
     m_new = jnp.maximum(m_run, jnp.max(s, axis=1))
     e = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
     l_new = l_run * jnp.exp(m_run - m_new) + jnp.sum(e * n.astype(jnp.float32)[None, :], axis=1)
@@ -154,8 +163,8 @@ def _kernel(t1_ref,      # [1] f32 T1
   plgpu.store(l_ref.at[grp, pl.ds(0, rp), pb], l, mask=hv)
 
 
-def level2_logits(q, tree: TreeLayout, n1, e1, m1, l1, t1, *, scale, groups, cols, block_k=64, num_warps=4,
-                  num_stages=2, backend):
+def level2_logits(q, tree: TreeLayout, n1, e1, m1, l1, t1, *, scale, groups, cols, parents=32, block_k=64,
+                  num_warps=4, num_stages=2, backend):
   """Eq. 3's logits over the candidates, one program per (group, level-1 block).
 
   q [Hq, d]; tree: the ``TreeLayout``; n1 [Hkv, C1]; (e1 [Hkv, nB1, g, Bc1], m1, l1 [Hkv, nB1, g]):
@@ -171,19 +180,21 @@ def level2_logits(q, tree: TreeLayout, n1, e1, m1, l1, t1, *, scale, groups, col
   r = hq // groups
   rp = max(16, cm.next_pow2(r))
   dp = cm.padded_head_dim(d)
-  nb1p = max(16, cm.next_pow2(nb1))
+  bp = min(parents, bc1)        # parents per program (powers of two: bp divides bc1)
+  npb = cm.cdiv(num_c1, bp)
+  nbp = max(16, cm.next_pow2(npb))
   cx = max(cols, num_c2 + 1)   # column C2: where masked lanes point
   x0 = jnp.full((groups * r, cx), cm.MASK_VALUE, jnp.float32)
   kernel = functools.partial(_kernel, scale=scale, num_c1=num_c1, num_c2=num_c2, group=group, r=r, rp=rp,
-                             bc1=bc1, nb1=nb1, nb1p=nb1p, block_k=block_k, d=dp)
+                             bc1=bc1, nb1=nb1, nb1p=max(16, cm.next_pow2(nb1)), bp=bp, block_k=block_k, d=dp)
   x, m, l = pallas_call(
-      kernel, backend=backend, num_warps=num_warps, num_stages=num_stages, grid=(groups, nb1),
+      kernel, backend=backend, num_warps=num_warps, num_stages=num_stages, grid=(groups, npb),
       out_shape=[jax.ShapeDtypeStruct((groups * r, cx), jnp.float32),
-                 jax.ShapeDtypeStruct((groups, r, nb1p), jnp.float32),
-                 jax.ShapeDtypeStruct((groups, r, nb1p), jnp.float32)],
+                 jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),
+                 jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32)],
       input_output_aliases={10: 0},
       name="tree_lookup_level2",
   )(jnp.asarray(t1, jnp.float32).reshape(1), cm.pad_axis(q, 1, dp),
     cm.pad_axis(tree.centroids, 2, dp).reshape(hkv * num_c2, dp), tree.counts.reshape(-1), tree.cluster.reshape(-1),
     tree.child_off.reshape(-1), n1.reshape(-1), e1.reshape(-1), m1.reshape(-1), l1.reshape(-1), x0)
-  return x.reshape(groups, r, cx), m, l, nb1
+  return x.reshape(groups, r, cx), m, l, npb
