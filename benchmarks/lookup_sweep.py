@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import sys
 import time
@@ -67,15 +66,17 @@ class DecodePlan:
     keep_parents: float = 0.3   # fraction of level-1 clusters T1 keeps (on the timed query)
     reps: int = 5
     backend: str = "pallas"
-    # (block_c, num_warps, num_stages, level-2 rows per tile of the level-2 kernel); the 1-level
-    # lookup is timed for the configs with the default tile (level2_block_k does not touch it)
-    configs: tuple = ((128, 4, 2, 64), (64, 2, 2, 64), (64, 4, 2, 64), (256, 4, 2, 64), (128, 4, 2, 32),
-                      (128, 4, 2, 128), (128, 4, 3, 64), (128, 8, 2, 64), (128, 2, 2, 32), (64, 4, 2, 32))
+    # (block_c, num_warps, num_stages, level-2 blocks per program, written out); the 1-level
+    # lookup is timed for the configs with one block per program
+    configs: tuple = ((128, 4, 2, 1, False), (64, 2, 2, 1, False), (64, 4, 2, 1, False), (256, 4, 2, 1, False),
+                      (128, 4, 2, 2, False), (128, 4, 2, 4, False), (128, 4, 3, 4, False), (128, 4, 2, 2, True),
+                      (128, 4, 2, 4, True), (64, 4, 2, 4, False), (64, 4, 3, 4, False), (64, 4, 2, 4, True),
+                      (64, 4, 2, 8, False), (64, 2, 2, 8, True), (256, 8, 2, 2, True))
 
 
 def decode_cpu_plan() -> DecodePlan:
     return DecodePlan(length=4096, hq=4, hkv=2, d=32, reps=1, backend="interpret",
-                      configs=((16, 4, 2, 64), (32, 4, 2, 16), (16, 4, 2, 32)))
+                      configs=((16, 4, 2, 1, False), (32, 4, 2, 2, True), (16, 4, 2, 3, False)))
 
 
 def decode_inputs(plan: DecodePlan, seed: int = 0):
@@ -105,7 +106,7 @@ def decode_inputs(plan: DecodePlan, seed: int = 0):
 def run_decode(plan: DecodePlan, log=print) -> dict:
     from benchmarks._profile import kernel_time_per_call
     from pallas_kernels import (CentroidLookupConfig, centroid_lookup_decode, centroid_lookup_reference,
-                                hierarchical_lookup_decode, hierarchical_lookup_reference, tree_layout)
+                                hierarchical_lookup_decode, hierarchical_lookup_reference)
 
     t_start = time.perf_counter()
     x = decode_inputs(plan)
@@ -119,13 +120,13 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
         return float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
     rows = []
-    tree = tree_layout(x["c2"], x["n2"], x["parent"], x["c1"].shape[1])   # built once, as a decode loop does
-    for bc, w, st, bk in plan.configs:
-        cfg = CentroidLookupConfig(block_c=bc, num_warps=w, num_stages=st, level2_block_k=bk)
-        row = {"block_c": bc, "num_warps": w, "num_stages": st, "level2_block_k": bk,
+    for bc, w, st, blocks, unroll in plan.configs:
+        cfg = CentroidLookupConfig(block_c=bc, num_warps=w, num_stages=st, level2_blocks=blocks,
+                                   level2_unroll=unroll)
+        row = {"block_c": bc, "num_warps": w, "num_stages": st, "level2_blocks": blocks, "level2_unroll": unroll,
                "default": cfg == CentroidLookupConfig()}
-        variants = [("hierarchical", functools.partial(hierarchical_lookup_decode, tree=tree), h_args, refh)]
-        if bk == CentroidLookupConfig().level2_block_k:  # the level-2 tile does not touch the 1-level kernel
+        variants = [("hierarchical", hierarchical_lookup_decode, h_args, refh)]
+        if blocks == 1:  # the level-2 settings do not touch the 1-level kernel
             variants.insert(0, ("one_level", centroid_lookup_decode, o_args, ref1))
         for name, fn, args, ref in variants:
             try:
@@ -147,7 +148,7 @@ def run_decode(plan: DecodePlan, log=print) -> dict:
         key = "busy_ms" if "one_level_busy_ms" in row else "ms"
         if f"hierarchical_{key}" in row and f"one_level_{key}" in row:
             row["ratio"] = row[f"hierarchical_{key}"] / row[f"one_level_{key}"]
-        log(f"block_c {bc}, {w} warps, {st} stages, level-2 tiles of {bk} rows: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
+        log(f"block_c {bc}, {w} warps, {st} stages, {blocks} level-2 blocks/program{' unrolled' if unroll else ''}: 1-level {row.get('one_level_' + key, float('nan')):.4f} ms, hierarchical "
             f"{row.get('hierarchical_' + key, float('nan')):.4f} ms ({key}), ratio {row.get('ratio', float('nan')):.2f}"
             + "".join(f"; {k}: {v[:80]}" for k, v in row.items() if k.endswith("_error")))
         rows.append(row)
@@ -177,12 +178,12 @@ def decode_to_markdown(res: dict) -> str:
           f"bf16; T1 keeps {p['keep_parents']:.0%} of the level-1 clusters: centroid rows scored "
           f"{res['touched_ref_mean']:.0f} of {res['level2_rows']} (hierarchical / 1-level "
           f"{res['touched_ref_mean'] / res['level2_rows']:.2f}). Times: {what}, median of {p['reps']}.", "",
-          "| block_c | warps | stages | level-2 rows / tile | 1-level ms | hierarchical ms | hierarchical / "
+          "| block_c | warps | stages | level-2 blocks / program | 1-level ms | hierarchical ms | hierarchical / "
           "fastest 1-level | 1-level err | hierarchical err | |", "|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in res["rows"]:
-        md.append(f"| {r['block_c']} | {r['num_warps']} | {r['num_stages']} | {r['level2_block_k']} | "
-                  f"{r.get('one_level_' + key, nan):.4f} | "
+        md.append(f"| {r['block_c']} | {r['num_warps']} | {r['num_stages']} | {r['level2_blocks']}"
+                  f"{' (unrolled)' if r['level2_unroll'] else ''} | {r.get('one_level_' + key, nan):.4f} | "
                   f"{r.get('hierarchical_' + key, nan):.4f} | {r.get('ratio_vs_best_one_level', nan):.2f} | "
                   f"{r.get('one_level_err', nan):.1e} | {r.get('hierarchical_err', nan):.1e} | "
                   f"{'default' if r['default'] else ''}{' ' + r['hierarchical_error'][:60] if 'hierarchical_error' in r else ''} |")
@@ -190,7 +191,7 @@ def decode_to_markdown(res: dict) -> str:
         b1, bh = res["best_one_level"], res["best_hierarchical"]
         md += ["", f"Fastest 1-level: block_c {b1['block_c']}, {b1['num_warps']} warps, {b1['one_level_' + key]:.4f} ms; "
                    f"fastest hierarchical: block_c {bh['block_c']}, {bh['num_warps']} warps, {bh['num_stages']} stages, "
-                   f"level-2 tiles of {bh['level2_block_k']} rows, "
+                   f"{bh['level2_blocks']} level-2 blocks per program{' (unrolled)' if bh['level2_unroll'] else ''}, "
                    f"{bh['hierarchical_' + key]:.4f} ms → {res['best_ratio']:.2f}× the fastest 1-level."]
         for k in bh.get("hierarchical_kernels", [])[:5]:
             md.append(f"- `{k['name']}` {k['ms_per_call']:.4f} ms per call")

@@ -241,11 +241,10 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
                                      qp, kp, scale=scale, n_sink=method.n_sink, n_recent=method.sizes(length)[1],
                                      backend=backend)[:, None]
         li = index.layer(0)
-        tree = None if layout is None else layout[3]  # hierarchical: level 2 parent by parent, built once
         if lookup_only:
-            return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote, tree=tree)[0]
-        ks, vs, off, _ = layout
-        level1 = (li.centroids1, li.counts1, li.parent, tree) if li.centroids1.shape[-2] else None
+            return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote)[0]
+        ks, vs, off = layout
+        level1 = (li.centroids1, li.counts1, li.parent) if li.centroids1.shape[-2] else None
         return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
                                          method.vote, level1=level1, threshold1=index.threshold1)
 
@@ -425,7 +424,7 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
 
 def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, i: int) -> list[dict]:
     """Every row of one (shape, fixed-context length): its arrays die when this returns."""
-    from pallas_kernels import cluster_sort_layout, hierarchical_tree
+    from pallas_kernels import cluster_sort_layout
     from sqjax import dispatch
     from sqjax.methods import ContextData, HierarchicalSqueezed, Quest, Saap, Squeezed
 
@@ -461,12 +460,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
     for name in ("squeezed", "hsqueezed"):
         if name in built:
             idx0 = next(iter(built[name][1].values()))
-            ks, vs, off = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
-                                              num_clusters=idx0.layers.counts.shape[-1])[:3]
-            li0 = idx0.layer(0)
-            tree = (hierarchical_tree(li0.centroids.astype(k.dtype), off, li0.parent, li0.centroids1.shape[-2],
-                                      k.shape[1]) if name == "hsqueezed" else None)
-            layouts[name] = (ks, vs, off, tree)
+            layouts[name] = cluster_sort_layout(k, v, idx0.layers.labels[0], idx0.n_sink, idx0.n_tail,
+                                                num_clusters=idx0.layers.counts.shape[-1])[:3]
     phases = [("decode", 1)] + [(f"prefill_{t // 1024}k" if t >= 1024 else f"prefill_{t}", t) for t in plan.prefill]
     phases = [p for p in phases if p[0].split("_")[0] in plan.phases]
     n_new = 1024 if not plan.cpu else 16

@@ -12,7 +12,7 @@ from pallas_kernels._attention_core import AttentionConfig
 from pallas_kernels._dispatch import BACKENDS, resolve_backend
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_decode,
                                             centroid_lookup_prefill, centroid_lookup_reference)
-from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout, clustered_decode_attention, clustered_decode_attention_reference, clustered_decode_hierarchical, clustered_decode_hierarchical_reference, clustered_decode_partial, clustered_decode_selected, clustered_decode_selected_reference, clustered_prefill_attention, clustered_prefill_attention_reference, hierarchical_tree)  # noqa: E501
+from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout, clustered_decode_attention, clustered_decode_attention_reference, clustered_decode_hierarchical, clustered_decode_hierarchical_reference, clustered_decode_partial, clustered_decode_selected, clustered_decode_selected_reference, clustered_prefill_attention, clustered_prefill_attention_reference)  # noqa: E501
 from pallas_kernels.dense_attention import dense_attention_reference, dense_decode_attention
 from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
                                                 hierarchical_lookup_reference, hierarchical_scores)
@@ -20,7 +20,6 @@ from pallas_kernels.quest import (QuestScoreConfig, quest_decode_attention,
                                   quest_decode_attention_reference, quest_page_minmax,
                                   quest_page_scores, quest_page_scores_reference, quest_select)
 from pallas_kernels.saap_attention import saap_attention, saap_attention_reference
-from pallas_kernels.tree_lookup import TreeLayout, tree_layout
 from pallas_kernels.sparse_attention import (clusters_to_indices, gather_live_rows, gather_live_rows_reference,
                                              gather_then_dense_attention, sparse_attention,
                                              sparse_attention_reference)
@@ -35,7 +34,6 @@ __all__ = [
     "clusters_to_indices", "dense_attention_reference", "dense_decode_attention", "gather_live_rows",
     "gather_live_rows_reference", "gather_then_dense_attention",
     "hierarchical_lookup_decode", "hierarchical_lookup_prefill", "hierarchical_lookup_reference", "hierarchical_scores",
-    "hierarchical_tree", "TreeLayout", "tree_layout",
     "quest_decode_attention",
     "quest_decode_attention_reference", "quest_page_minmax", "quest_page_scores",
     "quest_page_scores_reference", "quest_select", "resolve_backend", "saap_attention",

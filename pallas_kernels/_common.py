@@ -155,16 +155,6 @@ def gather_vec(ref, idx, mask, other=0):
   return plgpu.load(ref.at[idx], mask=mask, other=other)
 
 
-def range_row_offset(j, vstart, delta):
-  """Row offset of virtual rows ``j`` [Bk] in a concatenation of row ranges (one per slot):
-  range ``c`` holds virtual rows ``[vstart_c, vstart_c + size_c)`` at rows ``vstart_c + delta_c``.
-
-  With ``delta`` non-decreasing over the slots (the rows skipped between kept ranges only add
-  up), ``{c : vstart_c <= j}`` is the prefix ending at j's range and its max ``delta`` is that
-  range's: one compare + select + max per (row, slot).  Returns [Bk]; row = j + offset."""
-  return jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :], jnp.iinfo(jnp.int32).min), axis=1)
-
-
 def expand_ranges(sel, offsets, items, rows, cap: int):
   """Concatenates the CSR ranges of the selected entries, per selection row.
 

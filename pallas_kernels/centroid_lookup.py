@@ -30,14 +30,16 @@ jnp) forms ``D = sum_b l_b exp(m_b - M)`` and ``S_i = e_i exp(m_b - M) / D`` (th
 paper compares ``e_i`` with ``D T`` rescaled by ``exp(m_b - M)``; the group vote
 needs the normalised ``S_i`` itself, one multiply more).
 
-``hierarchical_lookup`` reuses these kernels: the decode kernel is its level 1 (its raw
-block outputs feed ``tree_lookup``'s level-2 kernel); the prefill passes take a per-group
-row bound (``n_valid``) over a compacted candidate set.
+``hierarchical_lookup`` reuses these kernels for its level 2: the decode kernel takes
+the level-1 kernel's raw outputs (``Level1Raw``) and reads only rows whose parent
+survives; the prefill passes take a per-group row bound (``n_valid``) over a
+compacted candidate set.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +69,11 @@ class CentroidLookupConfig:
     statistics pass of a bounded (compacted level-2) call, their (max, denominator)
     combined after; None = 2.  Unbounded calls always use one.  At 512K / 4K tokens on an
     H200 1, 2 and 4 measured the same (gpu_h200_hierarchical/prefill_splits_994a427).
-  level2_parents, level2_block_k: the hierarchical decode's level-2 kernel (``tree_lookup``):
-    level-1 clusters per program (their children's rows are its work) and level-2 centroid
-    rows per tile, powers of two >= 16.
+  level2_blocks, level2_unroll: centroid blocks per program of the hierarchical
+    level-2 decode kernel (a loop, or written out), to overlap the dependent loads
+    (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
+    slower on an H200 at 512K (benchmarks/results/gpu_h200_hierarchical/decode_sweep_1f0414e);
+    kept for sweeps on other GPUs.
   """
   block_c: int = 128
   block_t: int = 64
@@ -79,8 +83,8 @@ class CentroidLookupConfig:
   score_block_t: int | None = None
   score_block_c: int | None = None
   score_warps: int | None = None
-  level2_parents: int = 32
-  level2_block_k: int = 64
+  level2_blocks: int = 1
+  level2_unroll: bool = False
   score_splits: int | None = None
   stats_splits: int | None = None
 
@@ -97,8 +101,8 @@ class CentroidLookupConfig:
       v = getattr(self, name)
       if v is not None and (not isinstance(v, int) or v < 1):
         raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-    cm.check_pow2("level2_block_k", self.level2_block_k)
-    cm.check_pow2("level2_parents", self.level2_parents)
+    if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
+      raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
 
 
 _LOG2E = 1.4426950408889634
@@ -115,46 +119,134 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
-def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None, rows_wait_counts=True):
+def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None, offsets_l=None,
+                         rows_wait_counts=True):
   """Rows ``j`` of KV head ``kv``: (validity, counts, rows).  ``live`` [Bc] bool: the
   rows that may be read at all (default ``j < num_c``); masked loads move no bytes.
-  ``rows_wait_counts``: an empty cluster's row is not read (its load waits for
+  ``offsets_l`` = L: ``n_ref`` holds a cluster-contiguous layout's offsets [Hkv * (C + 1)]
+  and the counts are their differences, offsets clipped to [0, L] (as the attention kernel
+  reads them).  ``rows_wait_counts``: an empty cluster's row is not read (its load waits for
   the counts); False: rows are read under ``live`` alone and the load does not wait (the
   prefill scoring pass, which loads one block per program: measured 5% faster on an H200,
   benchmarks/results/gpu_h200_prefill_lookup; the decode scoring kernels measured slower)."""
   cv = j < num_c if live is None else live
   row = kv * num_c + j
-  cnt = cm.gather_vec(n_ref, row, cv, other=0)                    # [Bc] int32
+  if offsets_l is None:
+    cnt = cm.gather_vec(n_ref, row, cv, other=0)                  # [Bc] int32
+  else:
+    base = kv * (num_c + 1) + j
+    lo = jnp.clip(cm.gather_vec(n_ref, base, cv, other=0), 0, offsets_l)
+    hi = jnp.clip(cm.gather_vec(n_ref, base + 1, cv, other=0), 0, offsets_l)
+    cnt = jnp.maximum(hi - lo, 0)
   valid = cv & (cnt > 0)
   c = cm.gather_rows(c_ref, row, d, valid if rows_wait_counts else cv)   # [Bc, d]
   return valid, cnt.astype(jnp.float32), c
 
 
+def _level1_stats(refs, *, kv, h0, group, r, nb1, nb1p):
+  """Each head's level-1 softmax statistics from the level-1 decode kernel's block
+  outputs: M = max_b m_b, 1 / D with D = sum_b l_b exp(m_b - M).  The group's query
+  heads are h0 .. h0 + r - 1; tiles are [next_pow2(r), ...] (no dot here, no padding
+  to 16).  Returns (row in the level-1 group [r2], real head [r2], M [r2], 1/D [r2])."""
+  _, _, _, m1_ref, l1_ref, _ = refs
+  hr = jnp.arange(cm.next_pow2(r), dtype=jnp.int32)
+  hv = hr < r
+  row1 = cm.krem(h0 + hr, group)
+  b1 = jnp.arange(nb1p, dtype=jnp.int32)
+  bm = (b1[:, None] < nb1) & hv[None, :]
+  bi = jnp.where(bm, (kv * nb1 + b1[:, None]) * group + row1[None, :], 0)
+  m1 = plgpu.load(m1_ref.at[bi], mask=bm, other=cm.MASK_VALUE)    # [nB1p, r2]
+  l1 = plgpu.load(l1_ref.at[bi], mask=bm, other=0.0)
+  mx = jnp.max(m1, axis=0)                                        # [r2]
+  den = jnp.sum(l1 * jnp.exp(m1 - mx[None, :]), axis=0)
+  return row1, hv, mx, jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def _level2_live(refs, stats, *, kv, j, num_c, num_p, group, r, nb1, bc1):
+  """Level-2 rows ``j`` whose parent survives level 1 (Eq. 2 with the group vote:
+  S1 = mean over the group's heads of e1 exp(m1_b - M) / D; kept: N1 > 0, S1 >= T1).
+
+  refs = (parent [Hkv * C2], n1 [Hkv * C1], e1 [Hkv * nB1 * g * Bc1], m1, l1
+  [Hkv * nB1 * g], t1 [1]): the level-1 kernel's raw outputs, read from L2.
+  """
+  parent_ref, n1_ref, e1_ref, m1_ref, _, t1_ref = refs
+  row1, hv, mx, inv = stats
+  cv = j < num_c
+  par = cm.gather_vec(parent_ref, kv * num_c + j, cv, other=-1)  # [Bc]
+  pv = cv & (par >= 0) & (par < num_p)
+  pc = jnp.where(pv, par, 0)
+  em = hv[:, None] & pv[None, :]                                  # [r2, Bc]
+  blk = jnp.where(em, (kv * nb1 + cm.kdiv(pc, bc1))[None, :] * group + row1[:, None], 0)
+  e1 = plgpu.load(e1_ref.at[blk * bc1 + cm.krem(pc, bc1)[None, :]], mask=em, other=0.0)
+  mb = plgpu.load(m1_ref.at[blk], mask=em, other=0.0)
+  w = jnp.where(em, jnp.exp(mb - mx[:, None]) * inv[:, None], 0.0)  # padding rows: M = MASK
+  s1 = jnp.sum(e1 * w, axis=0) * (1.0 / r)                      # [Bc]
+  n1 = cm.gather_vec(n1_ref, kv * num_p + pc, pv, other=0)
+  return pv & (n1 > 0) & (s1 >= t1_ref[0])
+
+
 def _decode_kernel(q_ref,      # [Hq, d]
                    c_ref,      # [Hkv * C, d]
                    n_ref,      # [Hkv * C] int32
-                   e_ref,      # out [G, nB, R, Bc] f32 exp(s q.C - m_b)
-                   m_ref,      # out [G, nB, R] f32 block max m_b
-                   l_ref,      # out [G, nB, R] f32 block denominator sum N exp(s q.C - m_b)
-                   *, scale, num_c, group, r, rp, block_c, d):
-  """One program per (group, centroid block)."""
+                   *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
+                   scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False,
+                   logits=False, offsets_l=None):
+  """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
+  C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
+  (computed here from the level-1 kernel's raw outputs) and the live rows are
+  reported.  ``blocks`` > 1: a loop (``unroll``: written out) over that many blocks.
+  ``logits``: write the scaled logits (MASK off the live rows) as x [G, R, Cx] and the block
+  statistics as m, l [G, R, nBp] -- the layout the clustered attention kernel reads -- instead
+  of e, m, l [G, nB, R, ...] and the live rows."""
   grp = pl.program_id(0)
-  cb = pl.program_id(1)
+  pb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
   hr = jnp.arange(rp, dtype=jnp.int32)
   hv = hr < r
   q = cm.gather_rows(q_ref, grp * r + hr, d, hv)                  # [rp, d]
-  j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-  valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d)
-  s = plgpu.dot(q, c, trans_b=True) * scale                       # [rp, Bc] f32
-  s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
-  m = jnp.max(s, axis=1)                                          # [rp]
-  e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)     # [rp, Bc]
-  l = jnp.sum(e * cnt[None, :], axis=1)                           # [rp]
-  # Only the r real query rows are stored (outputs are [G, nB, r, ...]).
-  plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=hv[:, None])
-  plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=hv)
-  plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=hv)
+  if level1 is not None:
+    nb1, nb1p, bc1, num_p = level1
+    e_ref, m_ref, l_ref = refs[6:9]
+    live_ref = None if logits else refs[9]
+    stats = _level1_stats(refs[:6], kv=kv, h0=grp * r, group=group, r=r, nb1=nb1, nb1p=nb1p)
+  else:
+    (e_ref, m_ref, l_ref), live_ref = refs, None
+
+  def one(cb):
+    j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
+    live = None
+    if level1 is not None:
+      live = _level2_live(refs[:6], stats, kv=kv, j=j, num_c=num_c, num_p=num_p, group=group, r=r,
+                          nb1=nb1, bc1=bc1)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live,
+                                         offsets_l=offsets_l)
+    s = plgpu.dot(q, c, trans_b=True) * scale                     # [rp, Bc] f32
+    s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
+    m = jnp.max(s, axis=1)                                        # [rp]
+    e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)   # [rp, Bc]
+    l = jnp.sum(e * cnt[None, :], axis=1)                         # [rp]
+    # Only the r real query rows are stored (outputs are [G, nB, r, ...], or [G, r, ...]).
+    if logits:
+      plgpu.store(e_ref.at[grp, pl.ds(0, rp), pl.ds(cb * block_c, block_c)], s, mask=hv[:, None])
+      plgpu.store(m_ref.at[grp, pl.ds(0, rp), cb], m, mask=hv)
+      plgpu.store(l_ref.at[grp, pl.ds(0, rp), cb], l, mask=hv)
+      return
+    plgpu.store(e_ref.at[grp, cb, pl.ds(0, rp), :], e, mask=hv[:, None])
+    plgpu.store(m_ref.at[grp, cb, pl.ds(0, rp)], m, mask=hv)
+    plgpu.store(l_ref.at[grp, cb, pl.ds(0, rp)], l, mask=hv)
+    if live_ref is not None:
+      live_ref[grp, pl.ds(cb * block_c, block_c)] = valid.astype(jnp.int32)
+
+  if blocks == 1:
+    one(pb)
+  elif unroll:
+    for u in range(blocks):
+      one(pb * blocks + u)
+  else:
+    def body(u, carry):
+      one(pb * blocks + u)
+      return carry
+    lax.fori_loop(0, blocks, body, jnp.int32(0))
 
 
 def _stats_kernel(q_ref,      # [Hq * T, d]
@@ -272,28 +364,73 @@ def _flat_inputs(centroids, counts, d_pad):
   return c, counts.reshape(hkv * num_c)
 
 
-def lookup_decode_raw(q, centroids, counts, *, scale, groups, cfg, backend):
-  """The decode kernel: (e [G, nB, R, Bc] f32 ``exp(s q.C - m_b)``, m [G, nB, R] block maxima,
-  l [G, nB, R] block denominators ``sum N exp(s q.C - m_b)``).  The hierarchical decode's
-  level 2 (``tree_lookup``) reads these raw outputs of its level 1."""
+class Level1Raw(NamedTuple):
+  """The level-1 decode kernel's raw outputs (``lookup_decode_raw`` over the level-1
+  centroids with one group per KV head), from which the level-2 decode kernel decides
+  itself which rows are live: Eq. 2 with the group vote and ``S1 >= T1``."""
+  e: jax.Array        # [Hkv, nB1, g, Bc1] f32 exp(s q.C1 - m_b)
+  m: jax.Array        # [Hkv, nB1, g] f32 block maxima
+  l: jax.Array        # [Hkv, nB1, g] f32 block denominators
+  counts: jax.Array   # [Hkv, C1] int32 N1
+  parent: jax.Array   # [Hkv, C2] int32 level-1 parent of each level-2 centroid
+  t1: jax.Array       # [] f32
+
+
+def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backend, logits_cols=None,
+                      offsets_l=None):
+  """The decode kernel: (e [G, nB, R, Bc], m [G, nB, R], l [G, nB, R], live [G, nB * Bc]
+  int32 or None).  ``level1``: None, or a ``Level1Raw`` (level 2 of a hierarchical
+  lookup: only rows whose parent survives are read, and ``live`` reports them).
+
+  ``logits_cols`` (level 2 only): instead, (x [G, R, >= logits_cols] scaled logits, MASK off the
+  live rows, m, l [G, R, nBp] block statistics, nB): the inputs of the clustered attention
+  kernel, which then forms Eq. 3 and votes itself.  ``offsets_l`` = L: ``counts`` is a
+  cluster-contiguous layout's offsets [Hkv, C + 1] (rows in [0, L)), the counts their differences."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
   rp = max(16, cm.next_pow2(r))
   dp = cm.padded_head_dim(d)
   block_c = min(cfg.block_c, max(16, cm.next_pow2(num_c)))
-  nb = cm.cdiv(num_c, block_c)
-  c_flat, n_flat = _flat_inputs(centroids, counts, dp)
-  kernel = functools.partial(_decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
-                             block_c=block_c, d=dp)
-  return pallas_call(
+  blocks = cfg.level2_blocks if level1 is not None else 1
+  nb = cm.cdiv(cm.cdiv(num_c, block_c), blocks) * blocks      # padded blocks hold no row
+  if offsets_l is None:
+    c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+  else:
+    c_flat, n_flat = cm.pad_axis(centroids, 2, dp).reshape(hkv * num_c, dp), counts.reshape(-1)
+  logits = logits_cols is not None
+  if logits and (level1 is None or blocks != 1):
+    raise ValueError("logits_cols is for level 2 with one block per program")
+  nbp = max(16, cm.next_pow2(nb))
+  outs = [
+      jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
+      jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # m_b
+      jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),             # l_b
+  ] if not logits else [
+      jax.ShapeDtypeStruct((groups, r, max(logits_cols, nb * block_c)), jnp.float32),   # x
+      jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),            # m_b
+      jax.ShapeDtypeStruct((groups, r, nbp), jnp.float32),            # l_b
+  ]
+  extra, lv = [], None
+  if level1 is not None:
+    nb1, bc1 = level1.e.shape[1], level1.e.shape[3]
+    lv = (nb1, max(16, cm.next_pow2(nb1)), bc1, level1.counts.shape[1])
+    extra = [level1.parent.reshape(-1), level1.counts.reshape(-1), level1.e.reshape(-1),
+             level1.m.reshape(-1), level1.l.reshape(-1), jnp.asarray(level1.t1, jnp.float32).reshape(1)]
+    if not logits:
+      outs.append(jax.ShapeDtypeStruct((groups, nb * block_c), jnp.int32))   # live rows
+  kernel = functools.partial(
+      _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
+      block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits,
+      offsets_l=offsets_l)
+  res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(groups, nb),
-      out_shape=[jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),
-                 jax.ShapeDtypeStruct((groups, nb, r), jnp.float32),
-                 jax.ShapeDtypeStruct((groups, nb, r), jnp.float32)],
-      name="centroid_lookup_decode",
-  )(cm.pad_axis(q, 1, dp), c_flat, n_flat)
+      grid=(groups, nb // blocks), out_shape=outs,
+      name="centroid_lookup_decode" if level1 is None else "centroid_lookup_decode_level2",
+  )(cm.pad_axis(q, 1, dp), c_flat, n_flat, *extra)
+  if logits:
+    return (*res, nb)
+  return (*res, None) if len(res) == 3 else tuple(res)
 
 
 def decode_scores_from_raw(e, m, l, num_c):
@@ -314,7 +451,8 @@ def lookup_decode_scores(q, centroids, counts, *, scale, groups, cfg, backend):
   q [Hq, d]; centroids [Hkv, C, d]; counts [Hkv, C] int32.
   Returns S [G, R, C] f32 (R = Hq // G); 0 for empty clusters.
   """
-  e, m, l = lookup_decode_raw(q, centroids, counts, scale=scale, groups=groups, cfg=cfg, backend=backend)
+  e, m, l, _ = lookup_decode_raw(q, centroids, counts, None, scale=scale, groups=groups, cfg=cfg,
+                                 backend=backend)
   return decode_scores_from_raw(e, m, l, centroids.shape[1])
 
 

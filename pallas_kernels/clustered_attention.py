@@ -46,11 +46,10 @@ and no index list:
     partials, written in the output dtype (reference: ``_merge``).
 
 Hierarchical decode (``clustered_decode_hierarchical``, Eq. 2-3) = 4 Pallas kernels: the
-level-1 lookup kernel (raw block outputs), the level-2 kernel (``tree_lookup``: one program per
-block of level-1 clusters, streaming the survivors' children from a ``TreeLayout``) writing the
-scaled logits (MASK elsewhere) and per-program (m, l) in kernel A's output layout, then (B) and
-(C) unchanged: B's statistics reduction over those programs is Eq. 3's denominator over the
-candidates, and its vote is ``S2 > T2``.
+level-1 lookup kernel (raw block outputs), the level-2 lookup kernel over the children of the
+level-1 survivors writing the scaled logits (MASK elsewhere) and per-block (m, l) in kernel A's
+output layout, then (B) and (C) unchanged: B's statistics reduction over the level-2 blocks is
+Eq. 3's denominator over the candidates, and its vote is ``S2 > T2``.
 
 Prefill (``clustered_prefill_attention``, a block of T tokens, one selection per
 head for the block): scores by the existing ``centroid_lookup_prefill`` kernels,
@@ -74,16 +73,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _attention_core as core
 from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
-from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_prefill,
+from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, centroid_lookup_prefill,
                                             centroid_lookup_reference, lookup_decode_raw)
-from pallas_kernels.hierarchical_lookup import (_check_tree, _validate as _validate_tree,
+from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
                                                 hierarchical_lookup_reference)
-from pallas_kernels.tree_lookup import TreeLayout, level2_logits, tree_layout
 from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
            "clustered_decode_hierarchical", "clustered_decode_hierarchical_reference", "clustered_decode_partial",
-           "hierarchical_tree",
            "clustered_decode_attention_reference", "clustered_prefill_attention",
            "clustered_prefill_attention_reference"]
 
@@ -415,8 +412,11 @@ def _attn_kernel(thr_ref,      # [1] f32
         rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
         mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
       else:
-        # delta is non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of c)
-        row = j + cm.range_row_offset(j, vstart, delta)
+        # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
+        # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
+        # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
+        row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
+                                    jnp.iinfo(jnp.int32).min), axis=1)
         mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
       # in bounds whatever the offsets hold (well-formed offsets never need the clip)
       rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
@@ -567,36 +567,29 @@ def _attend_merge(p: _Plan, q, k, v, offsets, x, ms, ls, threshold, k_new, v_new
 
 
 def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_new, v_new, q_pos,
-                                kv_pos_new, tree, *, scale, vote, cfg: ClusteredConfig,
+                                kv_pos_new, *, scale, vote, cfg: ClusteredConfig,
                                 lookup_cfg: CentroidLookupConfig, backend):
   """Hierarchical decode in four launches: the level-1 lookup kernel (Eq. 2, raw block
-  outputs), the level-2 kernel (``tree_lookup``: one program per level-1 block, the survivors'
-  children streamed) writing Eq. 3's logits over the candidates (MASK elsewhere) and its
-  programs' statistics in kernel A's output layout, kernel B (which reduces those statistics,
-  forms S2, votes and attends to S2 > T2) and the merge.  -> o [Hq, d] in q's dtype."""
+  outputs), the level-2 kernel writing Eq. 3's logits over the candidates (MASK elsewhere) and
+  their block statistics in kernel B's layout, kernel B (which reduces those statistics, forms
+  S2, votes and attends to S2 > T2) and the merge.  -> o [Hq, d] in q's dtype."""
   hq, d = q.shape
   hkv, num_l, _ = k.shape
   num_c = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote)
   p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg)
-  e1, m1, l1 = lookup_decode_raw(q, c1, n1, scale=scale, groups=hkv, cfg=lookup_cfg, backend=backend)
-  if tree is None:  # level-2 counts from the offsets, as the attention kernel reads the rows
-    tree = hierarchical_tree(c2, offsets, parent, c1.shape[1], num_l)
-  x, ms, ls, nb = level2_logits(q, tree, n1, e1, m1, l1, t1, scale=scale, groups=hs, cols=p.cx,
-                                parents=lookup_cfg.level2_parents, block_k=lookup_cfg.level2_block_k, num_warps=lookup_cfg.num_warps,
-                                num_stages=lookup_cfg.num_stages, backend=backend)
+  e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
+                                    backend=backend)
+  raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
+  # level-2 counts from the offsets inside the kernel (no launch to form them)
+  x, ms, ls, nb = lookup_decode_raw(q, c2, offsets, raw, scale=scale, groups=hs, cfg=lookup_cfg,
+                                    backend=backend, logits_cols=p.cx, offsets_l=num_l)
   # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
   p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)
   o, _ = _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.asarray(t2, jnp.float32), k_new, v_new, q_pos,
                        kv_pos_new, scale=scale, cfg=cfg, backend=backend, out_dtype=q.dtype)
   return o
-
-
-def hierarchical_tree(centroids2, offsets, parent, num_c1: int, num_l: int) -> TreeLayout:
-  """``tree_layout`` of a cluster-contiguous layout's level 2, counts taken from its offsets
-  (rows in [0, L)): what ``clustered_decode_hierarchical(tree=...)`` takes; once per layer."""
-  return tree_layout(centroids2, _counts(offsets, num_l), parent, num_c1)
 
 
 MERGE_COLS = 32   # head-dim columns per merge program
@@ -934,7 +927,6 @@ def clustered_decode_hierarchical(
     v_new: jax.Array,        # [Hkv, S, d]
     q_pos: jax.Array,        # [1] int32
     kv_pos_new: jax.Array,   # [S] int32 (-1 = empty)
-    tree: TreeLayout | None = None,   # hierarchical_tree(centroids2, offsets, parent, C1, L), once per layer
     *,
     scale: float,
     vote: str = "kv",
@@ -947,12 +939,10 @@ def clustered_decode_hierarchical(
   part and the visible new keys, attended exactly.  Equal to ``hierarchical_lookup_decode``
   followed by ``clustered_decode_selected``, in four launches instead of those two calls' ten
   (profiler trace on an H200: benchmarks/results/gpu_h200_hierarchical/fused_decode_be805d6).
-  The level-2 kernel hands its logits and statistics to the attention kernel, which
-  normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.  ``tree``:
-  the level-2 clusters stored parent by parent (``hierarchical_tree``); None builds it inside
-  the call (a sort per call: pass it when decoding many tokens).
-  ``config`` tiles the attention kernel, ``lookup_config`` the two lookup kernels.
-  Returns o [Hq, d] in q's dtype."""
+  The level-2 kernel hands its logits and block statistics to the attention kernel, which
+  normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
+  ``config`` tiles the attention kernel, ``lookup_config`` the two lookup kernels (with one
+  level-2 block per program whatever its ``level2_blocks``).  Returns o [Hq, d] in q's dtype."""
   hkv = k_sorted.shape[0]
   num_c = offsets.shape[1] - 1
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
@@ -961,8 +951,6 @@ def clustered_decode_hierarchical(
                      f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
   counts2 = jax.ShapeDtypeStruct((hkv, num_c), jnp.int32)   # from the offsets: shapes only, for the shared checks
   _validate_tree(q, centroids1, counts1, centroids2, counts2, parent, threshold1, vote, (2,))
-  if tree is not None:
-    _check_tree(tree, centroids2, centroids1)
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
@@ -971,9 +959,11 @@ def clustered_decode_hierarchical(
                                                    scale=scale, vote=vote)
   _check_vote_q_group(q, k_sorted, vote)
   return _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
-                                     threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, tree, scale=scale,
+                                     threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, scale=scale,
                                      vote=vote, cfg=config or ClusteredConfig(),
-                                     lookup_cfg=lookup_config or CentroidLookupConfig(), backend=be)
+                                     # one level-2 block per program: the layout the attention kernel reads
+                                     lookup_cfg=dataclasses.replace(lookup_config or CentroidLookupConfig(),
+                                                                    level2_blocks=1), backend=be)
 
 
 def _check_vote_q_group(q, k_sorted, vote):

@@ -24,13 +24,12 @@ of cluster ids) then loads a few programs with most of the rows (measured on an 
 512K: 0.116 vs 0.071 ms for the attention kernel).
 
 Kernels: the level-1 pass is the one-level lookup kernel over the level-1 centroids.
-Decode: two kernels plus the cheap final normalisation.  The level-2 kernel
-(``tree_lookup.level2_logits``) runs one program per block of level-1 clusters: it forms their
-Eq. 2 scores from the level-1 kernel's raw block outputs and streams the children of the
-survivors, stored parent by parent in a ``TreeLayout`` (``tree_layout``: built once per layer;
-passed as ``tree``, or built inside the call), so that only candidate rows are read.
-(``clustered_attention.clustered_decode_hierarchical`` runs the same two kernels and hands the
-level-2 logits to the attention kernel, which then normalises and votes.)
+Decode: the level-2 kernel reads the level-1 kernel's raw block outputs and computes
+each of its rows' parent score itself (``Level1Raw``), so decode is two kernels plus
+the cheap final normalisation; each of its programs gathers the parents of its rows
+and loads only the rows whose parent survived (masked loads: no traffic for the
+rest).  (``clustered_attention.clustered_decode_hierarchical`` runs the same two kernels with the
+level-2 one writing its logits for the attention kernel, which then normalises and votes.)
 Prefill is compute-bound, so skipping rows inside a block would save nothing:
 the candidates (in level-2 order) are gathered to the front of a per-head copy of the
 level-2 centroids and the same two passes run over them, stopping after the last one
@@ -42,16 +41,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, decode_scores_from_raw,
-                                            lookup_decode_raw, lookup_prefill_scores)
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw,
+                                            decode_scores_from_raw, lookup_decode_raw,
+                                            lookup_prefill_scores)
 from pallas_kernels._dispatch import resolve_backend
-from pallas_kernels.tree_lookup import TreeLayout, level2_logits, tree_layout
 
 __all__ = ["hierarchical_lookup_prefill", "hierarchical_lookup_decode", "hierarchical_scores",
-           "hierarchical_lookup_reference", "CentroidLookupConfig", "TreeLayout", "tree_layout"]
+           "hierarchical_lookup_reference", "CentroidLookupConfig"]
 
 
 def _validate(q, c1, n1, c2, n2, parent, t1, vote, q_ranks):
@@ -113,54 +111,23 @@ def _candidates_first(cand):
   return order, n_cand.astype(jnp.int32)
 
 
-def level2_scores(x, m, l, nb):
-  """Eq. 3 from the level-2 kernel's outputs: x [G, R, C] logits (MASK off the candidates),
-  per-program (m, l) [G, R, >= nb] -> S2 [G, R, C] = exp(x - M) / D, 0 off the candidates."""
-  m, l = m[..., :nb], l[..., :nb]
-  mx = jnp.max(m, axis=-1, keepdims=True)
-  den = jnp.sum(l * jnp.exp(m - mx), axis=-1, keepdims=True)
-  inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-  # (M, 1/D) materialised: XLA fused the reductions into the [G, R, C] pass and redid them per
-  # element (11.6 us at 128K on an H200)
-  mx, inv = lax.optimization_barrier((mx, inv))
-  return jnp.where(x > 0.5 * cm.MASK_VALUE, jnp.exp(x - mx) * inv, 0.0)
-
-
-def _check_tree(tree, c2, c1):
-  if not isinstance(tree, TreeLayout):
-    raise ValueError(f"tree must be a TreeLayout (pallas_kernels.tree_layout), got {type(tree).__name__}")
-  hkv, num_c2, d = c2.shape
-  want = {"centroids": (hkv, num_c2, d), "counts": (hkv, num_c2), "child_off": (hkv, c1.shape[1] + 1),
-          "cluster": (hkv, num_c2)}
-  got = {k: tuple(getattr(tree, k).shape) for k in want}
-  if got != want:
-    raise ValueError(f"tree does not fit the index: want shapes {want}, got {got} (build it with tree_layout "
-                     f"from this index's level-2 centroids, counts and parents)")
-  if tree.centroids.dtype != c2.dtype:
-    raise ValueError(f"tree centroids are {tree.centroids.dtype}, level-2 centroids {c2.dtype}")
-
-
-def _run(q, c1, n1, c2, n2, parent, t1, tree, *, scale, vote, be, cfg):
+def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
   """-> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], n_touched [Hs])."""
   hq = q.shape[0]
   hkv, num_c1, _ = c1.shape
-  num_c2 = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote)
   kvh = _kvh(hq, hkv, hs)
   if q.ndim == 2:
-    # Decode: two kernels.  Level 1 (Eq. 2) leaves its raw block outputs; the level-2 kernel
-    # scores each block of level-1 clusters from them and streams the survivors' children
-    # (Eq. 3 logits + per-program statistics); one fused XLA pass normalises.
-    e1, m1, l1 = lookup_decode_raw(q, c1, n1, scale=scale, groups=hkv, cfg=cfg, backend=be)
+    # Decode: two kernels.  Level 1 (Eq. 2) leaves its raw block outputs; the level-2
+    # kernel reduces them itself to each parent's S1, loads only the rows whose parent
+    # survived and reports them (Eq. 3).  No level-1 pass in between.
+    e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=cfg, backend=be)
     s1 = _vote_rows(decode_scores_from_raw(e1, m1, l1, num_c1), vote, hq)   # for callers; unused: dead code
-    tree = tree_layout(c2, n2, parent, num_c1) if tree is None else tree
-    x, m2, l2, nb = level2_logits(q, tree, n1, e1, m1, l1, t1, scale=scale, groups=hs, cols=num_c2,
-                                  parents=cfg.level2_parents, block_k=cfg.level2_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                  backend=be)
-    x = x[..., :num_c2]
-    s2 = jnp.mean(level2_scores(x, m2, l2, nb), axis=1)
-    cand = x[:, 0] > 0.5 * cm.MASK_VALUE
-    return s2, s1, cand, (num_c1 + jnp.sum(cand, axis=1)).astype(jnp.int32)
+    raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
+    e2, m2, l2, live = lookup_decode_raw(q, c2, n2, raw, scale=scale, groups=hs, cfg=cfg, backend=be)
+    s2 = jnp.mean(decode_scores_from_raw(e2, m2, l2, c2.shape[1]), axis=1)
+    cand = live[:, :c2.shape[1]] > 0
+    return s2, s1, cand, (num_c1 + jnp.sum(live, axis=1)).astype(jnp.int32)
   # Prefill: level 1 (Eq. 2) and its survivors; the candidates are gathered to the front
   # of a per-head copy of the level-2 centroids (a few MB), so that the same two passes
   # run over them with affine, pipelined loads and stop after the last one (Eq. 3).
@@ -237,7 +204,6 @@ def hierarchical_scores(
     n2: jax.Array,       # [Hkv, C2] int32 keys in each level-2 cluster
     parent: jax.Array,   # [Hkv, C2] int32 level-1 parent of each level-2 cluster
     t1: jax.Array,       # [] f32 level-1 threshold
-    tree: TreeLayout | None = None,   # decode: tree_layout(c2, n2, parent, C1), built once per layer
     *,
     scale: float,
     vote: str = "kv",
@@ -246,29 +212,23 @@ def hierarchical_scores(
 ):
   """Eq. 2-3 scores before the level-2 threshold.
 
-  ``tree`` (decode, Pallas backends): the level-2 clusters stored parent by parent, from
-  ``tree_layout``; None builds it inside the call (a sort per call: pass it when decoding many
-  tokens).  Ignored by prefill and the reference.
-
   Returns (s2 [Hs, C2] f32 Eq. 3 scores (0 off the candidates), s1 [Hs, C1] f32 Eq. 2
   scores, candidates [Hs, C2] bool, n_touched [Hs] int32).
   """
   _validate(q, c1, n1, c2, n2, parent, t1, vote, (2, 3))
-  if tree is not None:
-    _check_tree(tree, c2, c1)
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
     return _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote)
   cfg = config or (DEFAULT_PREFILL if q.ndim == 3 else CentroidLookupConfig())
-  return _run(q, c1, n1, c2, n2, parent, t1, tree, scale=scale, vote=vote, be=be, cfg=cfg)
+  return _run(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, be=be, cfg=cfg)
 
 
-def _lookup(q, c1, n1, c2, n2, parent, t1, t2, tree, scale, vote, backend, config, rank):
+def _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, rank):
   _validate(q, c1, n1, c2, n2, parent, t1, vote, (rank,))
   if jnp.ndim(t2) != 0:
     raise ValueError(f"t2 must be a scalar, got shape {jnp.shape(t2)}")
-  s2, _, cand, touched = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, tree, scale=scale, vote=vote,
+  s2, _, cand, touched = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote,
                                              backend=backend, config=config)
   return (*_finish(s2, cand, t2), touched)
 
@@ -294,7 +254,7 @@ def hierarchical_lookup_prefill(
   Returns (selected [Hs, C2] bool, scores [Hs, C2] f32 (0 for non-candidates),
   n_touched [Hs] int32 = C1 + number of level-2 candidates).
   """
-  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, None, scale, vote, backend, config, 3)
+  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 3)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -302,7 +262,6 @@ def hierarchical_lookup_decode(
     q: jax.Array,              # [Hq, d]
     c1: jax.Array, n1: jax.Array, c2: jax.Array, n2: jax.Array, parent: jax.Array,
     t1: jax.Array, t2: jax.Array,
-    tree: TreeLayout | None = None,   # tree_layout(c2, n2, parent, C1): see hierarchical_scores
     *,
     scale: float,
     vote: str = "kv",
@@ -310,4 +269,4 @@ def hierarchical_lookup_decode(
     config: CentroidLookupConfig | None = None,
 ):
   """Hierarchical lookup for one query token; same outputs as the prefill variant."""
-  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, tree, scale, vote, backend, config, 2)
+  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 2)

@@ -60,11 +60,8 @@ def cluster_scores(q, centroids, counts, scale: float, vote: str):
     return s
 
 
-def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale: float, vote: str,
-                        tree=None):
-    """Eq. 2-3 through the hierarchical lookup kernels, or None to use the jnp path (`tree`: the
-    level-2 clusters stored parent by parent, `pallas_kernels.tree_layout`; decode builds it per
-    call without it).
+def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale: float, vote: str):
+    """Eq. 2-3 through the hierarchical lookup kernels, or None to use the jnp path.
 
     -> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], centroids read [Hs]) as
     `squeezed.HierarchicalScores` holds them.
@@ -77,7 +74,7 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
     dt = q.dtype  # the index stores centroids in the keys' dtype; no-op then
     q = q[:, 0] if q.shape[1] == 1 else q
     return kernel(q, centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
-                  jax.numpy.asarray(threshold1, jax.numpy.float32), tree, scale=scale, vote=vote, backend=b)
+                  jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b)
 
 
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):
@@ -124,11 +121,10 @@ def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new
     None (use the generic path) unless the backend is a Pallas one. One level: the kernel scores
     the centroids, attends to the selected clusters' contiguous row ranges plus the exact part
     and the new keys, and merges -- three launches, no index list, no capacity. Hierarchical
-    (`level1` = (centroids1, counts1, parent[, tree]) of the layer, `threshold1` = T1; `tree` =
-    `pallas_kernels.hierarchical_tree` of the layout, built once -- without it every call sorts):
-    the level-1 lookup kernel (Eq. 2), the level-2 kernel writing Eq. 3's logits over the
-    survivors' children, and the same attention kernel normalising, voting (S2 > T) and
-    attending, then the merge -- four launches.
+    (`level1` = (centroids1, counts1, parent) of the layer, `threshold1` = T1): the
+    level-1 lookup kernel (Eq. 2), the level-2 kernel writing Eq. 3's logits over the survivors'
+    children, and the same attention kernel normalising, voting (S2 > T) and attending, then the
+    merge -- four launches.
     """
     b = resolved()
     if b == "reference":
@@ -140,10 +136,9 @@ def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new
         o = clustered_decode_attention(q[:, 0], k_sorted, v_sorted, centroids.astype(dt), offsets, threshold,
                                        k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
         return o[:, None]
-    c1, n1, parent, *tree = level1  # level-2 counts: the kernels take them from the layout's offsets
+    c1, n1, parent = level1  # level-2 counts: the kernels take them from the layout's offsets
     f32 = jax.numpy.float32
     o = clustered_decode_hierarchical(q[:, 0], k_sorted, v_sorted, c1.astype(dt), n1, centroids.astype(dt), offsets,
                                       parent, jax.numpy.asarray(threshold1, f32), jax.numpy.asarray(threshold, f32),
-                                      k_new, v_new, q_pos, kv_pos, tree[0] if tree else None, scale=scale, vote=vote,
-                                      backend=b)
+                                      k_new, v_new, q_pos, kv_pos, scale=scale, vote=vote, backend=b)
     return o[:, None]

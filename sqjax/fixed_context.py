@@ -98,9 +98,9 @@ def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool
 
     clustered_layout (Squeezed, 1- or 2-level, GPU decode): also the cluster-contiguous copy of
     each layer's K/V, its offsets and its centroids, read by the fused clustered decode kernel
-    (`sqjax.dispatch`); for a hierarchical index also each layer's level-1 centroids and counts,
-    the level-2 clusters' parents and level 2 stored parent by parent (`hierarchical_tree`), read
-    by the hierarchical lookup kernels (level-2 counts come from the offsets).
+    (`sqjax.dispatch`); for a hierarchical index also each layer's level-1 centroids and counts
+    and the level-2 clusters' parents, read by the hierarchical lookup kernels (level-2 counts come
+    from the offsets).
     """
     state = {"k": tuple(k[i] for i in range(k.shape[0])), "v": tuple(v[i] for i in range(v.shape[0])), "index": index}
     if clustered_layout:
@@ -112,13 +112,9 @@ def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool
         # each layer's centroids (13 MB at 128K) on every token (seen in an H200 profile)
         state["clustered"] = tuple((ks, vs, off, index.layer(i).centroids.astype(ks.dtype))
                                    for i, (ks, vs, off, _) in enumerate(sorted_kv))
-        if index.layers.centroids1.shape[-2]:  # hierarchical: + level 2 stored parent by parent
-            from pallas_kernels import hierarchical_tree
-
-            state["level1"] = tuple(
-                (li.centroids1.astype(k.dtype), li.counts1, li.parent,
-                 hierarchical_tree(li.centroids.astype(k.dtype), off, li.parent, li.centroids1.shape[-2], k.shape[2]))
-                for li, (_, _, off, _) in ((index.layer(i), sorted_kv[i]) for i in range(k.shape[0])))
+        if index.layers.centroids1.shape[-2]:  # hierarchical
+            state["level1"] = tuple((li.centroids1.astype(k.dtype), li.counts1, li.parent)
+                                    for li in (index.layer(i) for i in range(k.shape[0])))
     return state
 
 

@@ -144,7 +144,6 @@ def hierarchical_scores(
     scale: float,
     vote: str = "kv",
     q_valid: jax.Array | None = None,
-    tree=None,              # decode on GPU: pallas_kernels.tree_layout(centroids2, counts2, parent, C1), built once
 ) -> HierarchicalScores:
     """Eq. 2 on level 1, drop S1 < T1, then Eq. 3 over the surviving level-2 clusters."""
     _check_lookup_inputs(q, centroids2, counts2)
@@ -153,8 +152,7 @@ def hierarchical_scores(
     if q_valid is None:  # the kernels average over every token
         from sqjax import dispatch
 
-        h = dispatch.hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale, vote,
-                                         tree)
+        h = dispatch.hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale, vote)
         if h is not None:
             return HierarchicalScores(*h)
     hq, hkv = q.shape[0], centroids2.shape[0]
@@ -274,10 +272,8 @@ class SqueezedLayerIndex:
     parent: jax.Array      # [Hkv, C] int32 level-1 parent of each level-2 cluster
 
 
-def layer_scores(index: SqueezedLayerIndex, q: jax.Array, threshold1, scale: float, vote: str, q_valid=None,
-                 tree=None):
-    """Final cluster scores [Hs, C] and centroids read [Hs] for one layer (1- or 2-level);
-    `tree`: see `hierarchical_scores`."""
+def layer_scores(index: SqueezedLayerIndex, q: jax.Array, threshold1, scale: float, vote: str, q_valid=None):
+    """Final cluster scores [Hs, C] and centroids read [Hs] for one layer (1- or 2-level)."""
     hs = selection_heads(q.shape[0], index.centroids.shape[0], vote)
     if index.centroids1.shape[-2] == 0:
         s = cluster_scores(q, index.centroids, index.counts, scale, vote, q_valid)
@@ -285,7 +281,7 @@ def layer_scores(index: SqueezedLayerIndex, q: jax.Array, threshold1, scale: flo
         return s, touched
     h = hierarchical_scores(
         q, index.centroids1, index.counts1, index.centroids, index.counts, index.parent,
-        threshold1, scale, vote, q_valid, tree,
+        threshold1, scale, vote, q_valid,
     )
     return h.scores, h.n_touched
 

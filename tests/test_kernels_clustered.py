@@ -797,14 +797,8 @@ def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dt
   args = (x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
           jnp.float32(t1), jnp.float32(t2), x["kn"], x["vn"], x["qp"], x["kvp"])
   out = clustered_decode_hierarchical(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
-                                      lookup_config=CentroidLookupConfig(block_c=16, level2_block_k=16))
+                                      lookup_config=CentroidLookupConfig(block_c=16, level2_blocks=2))
   ref = clustered_decode_hierarchical_reference(*args, scale=scale, vote=vote)
-  # the tree built once per layer (as the decode loop passes it) gives the same output
-  from pallas_kernels import hierarchical_tree
-  tr = hierarchical_tree(tree["c2"], x["offs"], tree["parent"], tree["c1"].shape[1], x["k"].shape[1])
-  out_t = clustered_decode_hierarchical(*args, tr, scale=scale, vote=vote, backend="interpret", config=SMALL,
-                                        lookup_config=CentroidLookupConfig(block_c=16, level2_block_k=16))
-  np.testing.assert_array_equal(f64(out_t), f64(out))
   assert out.dtype == x["q"].dtype and out.shape == x["q"].shape and not np.isnan(f64(out)).any()
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
   assert rel(ref, o_np[:, 0]) < tol and rel(out, o_np[:, 0]) < tol

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pallas_kernels.centroid_lookup import CentroidLookupConfig, centroid_lookup_reference
 from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
-                                                hierarchical_lookup_reference, hierarchical_scores, tree_layout)
+                                                hierarchical_lookup_reference, hierarchical_scores)
 
 def _eq1_rows(qh, cent, counts, allowed, scale):
   """Mean over tokens of Eq. 1 for one query head; qh [T, d]; allowed: set of ids."""
@@ -217,43 +217,24 @@ def test_validation_errors(rng):
                                scale=1.0)
 
 
-@pytest.mark.parametrize("block_k,major", [(16, False), (64, True)])
-def test_decode_with_a_prebuilt_tree(rng, block_k, major):
-  """The level-2 kernel with a TreeLayout built once (as a decode loop passes it) gives the
-  result of the call that builds it, for any level-2 numbering and tile height; both equal
-  the reference.  The layout holds each level-1 cluster's non-empty children contiguously."""
-  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 1, 11, 150, 32, jnp.float32, parent_major=major)
+@pytest.mark.parametrize("blocks,unroll", [(2, False), (3, True), (4, False)])
+def test_decode_level2_blocks_per_program(rng, blocks, unroll):
+  """Several level-2 blocks per program (a loop, or written out; the block count is padded
+  up to a multiple) give the one-block-per-program result."""
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 1, 11, 150, 32, jnp.float32, parent_major=True)
   q = q[:, 0]
   t1, t2 = thresholds(q, c1, n1, "kv", 0.2)
-  cfg = CentroidLookupConfig(block_c=16, level2_block_k=block_k)
-  tree = tree_layout(c2, n2, parent, c1.shape[1])
-  off, cl, cnt = (np.asarray(a) for a in (tree.child_off, tree.cluster, tree.counts))
-  for h in range(c2.shape[0]):
-    for p in range(c1.shape[1]):
-      kids = cl[h, off[h, p]:off[h, p + 1]]
-      np.testing.assert_array_equal(np.sort(kids), np.flatnonzero((np.asarray(parent)[h] == p) & (np.asarray(n2)[h] > 0)))
-      np.testing.assert_array_equal(cnt[h, off[h, p]:off[h, p + 1]], np.asarray(n2)[h, kids])
-    np.testing.assert_array_equal(np.sort(cl[h]), np.arange(c2.shape[1]))          # a permutation
-    assert (cnt[h, off[h, -1]:] == 0).all()
-    np.testing.assert_array_equal(np.asarray(tree.centroids)[h], np.asarray(c2)[h, cl[h]])
-  want = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret", config=cfg)
-  got = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, tree, scale=0.2, backend="interpret",
-                                   config=cfg)
-  for a, b in zip(got, want):
-    np.testing.assert_array_equal(a, b)
-  rsel, rsc, rtouch = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
-  np.testing.assert_array_equal(got[0], rsel)
+  base = CentroidLookupConfig(block_c=16)
+  want = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret",
+                                    config=base)
+  got = hierarchical_lookup_decode(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2, backend="interpret",
+                                   config=CentroidLookupConfig(block_c=16, level2_blocks=blocks,
+                                                               level2_unroll=unroll))
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-9)
+  np.testing.assert_array_equal(got[2], want[2])
+  _, rsc, _ = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
   np.testing.assert_allclose(got[1], rsc, rtol=3e-5, atol=1e-8)
-  np.testing.assert_array_equal(got[2], rtouch)
-
-
-def test_tree_that_does_not_fit_is_refused(rng):
-  q, c1, n1, c2, n2, parent = make_inputs(rng, 4, 2, 1, 5, 30, 16, jnp.float32)
-  tree = tree_layout(c2[:, :20], n2[:, :20], parent[:, :20], c1.shape[1])
-  with pytest.raises(ValueError, match="tree does not fit"):
-    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, 0.0, 0.0, tree, scale=1.0, backend="interpret")
-  with pytest.raises(ValueError, match="TreeLayout"):
-    hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, 0.0, 0.0, (1, 2), scale=1.0, backend="interpret")
 
 
 @pytest.mark.parametrize("stats_splits", [1, 3])

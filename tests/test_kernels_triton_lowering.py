@@ -69,17 +69,14 @@ def test_hierarchical_lookup_lowers(vote):
                                   vote=vote, backend="pallas"), q, *args)
 
 
-@pytest.mark.parametrize("block_k", [16, 128])
-def test_hierarchical_decode_with_tree_lowers(block_k):
-  from pallas_kernels import CentroidLookupConfig, TreeLayout
-  cfg = CentroidLookupConfig(level2_block_k=block_k)
+@pytest.mark.parametrize("unroll", [False, True])
+def test_hierarchical_decode_blocks_per_program_lowers(unroll):
+  from pallas_kernels import CentroidLookupConfig
+  cfg = CentroidLookupConfig(level2_blocks=4, level2_unroll=unroll)
   args = (sds((HKV, 41, D)), sds((HKV, 41), jnp.int32), sds((HKV, 205, D)),
           sds((HKV, 205), jnp.int32), sds((HKV, 205), jnp.int32))
-  tree = TreeLayout(sds((HKV, 205, D)), sds((HKV, 205), jnp.int32), sds((HKV, 42), jnp.int32),
-                    sds((HKV, 205), jnp.int32))
-  lower(lambda q, *a: hierarchical_lookup_decode(q, *a[:5], jnp.float32(0.01), jnp.float32(0.01), TreeLayout(*a[5:]),
-                                                 scale=D ** -0.5, backend="pallas", config=cfg),
-        sds((HQ, D)), *args, *tree)
+  lower(lambda q, *a: hierarchical_lookup_decode(q, *a, jnp.float32(0.01), jnp.float32(0.01), scale=D ** -0.5,
+                                                 backend="pallas", config=cfg), sds((HQ, D)), *args)
 
 
 def test_quest_lowers():

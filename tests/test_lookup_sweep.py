@@ -36,7 +36,7 @@ def test_lookup_decode_sweep_cpu_smoke(tmp_path):
     assert len(res["rows"]) == 3
     for row in res["rows"]:
         assert row["hierarchical_pass"] and row["touched_max_diff"] == 0 and row["hierarchical_ms"] > 0, row
-        assert (row["level2_block_k"] != 64) != row.get("one_level_pass", False), row  # 1-level: once per tiling
+        assert (row["level2_blocks"] > 1) != row.get("one_level_pass", False), row  # 1-level: once per tiling
     assert 0 < res["touched_ref_mean"] < res["level2_rows"]      # level 1 prunes
     assert res["best_ratio"] > 0 and "Fastest 1-level" in (tmp_path / "lookup_decode_sweep.md").read_text()
 
