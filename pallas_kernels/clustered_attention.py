@@ -110,9 +110,6 @@ class ClusteredConfig:
     per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
     devices (``clustered_decode_partial(reduce_stats=...)``).
-  persistent_programs: None, or the number of cluster programs per KV head, each attending to
-    every P-th block of ``sub_clusters`` clusters (into the same partials as one program per
-    block) and loading the next block's selection inputs before streaming the current one.
   """
   # block_c and num_stages: the fastest of 38 tilings timed by kernel time on an H200
   # (benchmarks/results/gpu_h200_decode_stages): a third pipeline stage takes the attention
@@ -136,7 +133,6 @@ class ClusteredConfig:
   score_stages: int = 2
   target_programs: int = 1536
   reduce_stats_first: bool = False
-  persistent_programs: int | None = None
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -164,9 +160,6 @@ class ClusteredConfig:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
       raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
-    if self.persistent_programs is not None and (not isinstance(self.persistent_programs, int)
-                                                 or self.persistent_programs < 1):
-      raise ValueError(f"persistent_programs must be a positive int or None, got {self.persistent_programs!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,17 +188,10 @@ class _Plan:
   n_new: int       # new-part programs per KV head
   n_ex: int        # exact-part programs per KV head
   vote: str
-  n_pers: int = 0  # persistent cluster programs per KV head (0: one program per cluster block)
 
   @property
   def n_prog(self) -> int:
-    """Partials per KV head (one per new-part chunk, exact-part chunk and cluster block)."""
     return self.n_new + self.n_ex + self.n_cb
-
-  @property
-  def n_grid(self) -> int:
-    """Programs per KV head."""
-    return self.n_new + self.n_ex + (self.n_pers or self.n_cb)
 
 
 def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _Plan:
@@ -221,9 +207,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
   score_blocks = min(score_blocks, blocks)
   n_a = cm.cdiv(num_c, block_c * score_blocks)
   bcs = min(cfg.sub_clusters, cpow)
-  if cfg.persistent_programs:
-    bc = bcs                                     # one sub-block per cluster block
-  elif cfg.block_clusters is not None:
+  if cfg.block_clusters is not None:
     bc = max(bcs, min(cfg.block_clusters, cm.cdiv(cpow, bcs) * bcs))
   else:
     want = max(1.0, hkv * num_c / cfg.target_programs)
@@ -245,7 +229,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
                dp=cm.padded_head_dim(d), block_c=block_c, score_blocks=score_blocks, n_a=n_a,
                n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
-               vote=vote, n_pers=min(cfg.persistent_programs or 0, n_cb))
+               vote=vote)
 
 
 # ----------------------------------------------------------------------------
@@ -383,25 +367,17 @@ def _attn_kernel(thr_ref,      # [1] f32
   n_sub = p.bc // p.bcs
   n_sub_loop = jnp.where(is_cl, i32(n_sub), jnp.where(is_ex, i32(1), i32(0))).astype(i32)
 
-  def load_block(c0, ok):
-    """Selection inputs of clusters [c0, c0 + Bcs): (cv, lo, cnt, x [rp, Bcs])."""
+  def sub_body(sb, carry):
+    c0 = cl_i * p.bc + sb * p.bcs
     c = c0 + slot
-    cv = ok & (c < p.num_c)
+    cv = is_cl & (c < p.num_c)
     lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
+    valid = cv & (cnt > 0)
+    xmask = hv[:, None] & valid[None, :]
     # loaded by index (kernel A wrote MASK for empty clusters), so the load does not wait for
     # the offsets: 1-3 us less at 512K (gpu_h200_decode_stages/ab_index_loads.json)
     x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=hv[:, None] & cv[None, :],
                    other=cm.MASK_VALUE)                                # [rp, Bcs]
-    return cv, lo, cnt, x
-
-  def sub_body(sb, carry):
-    c0 = cl_i * p.bc + sb * p.bcs
-    return attend_block(c0, *load_block(c0, is_cl), carry)
-
-  def attend_block(c0, cv, lo, cnt, x, carry):
-    """Vote over clusters [c0, c0 + Bcs) and attend to the selected ones' rows."""
-    valid = cv & (cnt > 0)
-    xmask = hv[:, None] & valid[None, :]
     s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
     if vote_q:
       selh = xmask & (s > thr)                                         # [rp, Bcs]
@@ -451,30 +427,11 @@ def _attn_kernel(thr_ref,      # [1] f32
     n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
     return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
-  def store_partial(slot_idx, carry, ok):
-    o, m, l = carry
-    plgpu.store(o_ref.at[kv, slot_idx, pl.ds(0, p.rp), :], o, mask=hv[:, None] & ok)
-    plgpu.store(m_ref.at[kv, slot_idx, pl.ds(0, p.rp)], m, mask=hv & ok)
-    plgpu.store(l_ref.at[kv, slot_idx, pl.ds(0, p.rp)], l, mask=hv & ok)
-
-  if p.n_pers:
-    # Persistent cluster programs: program q attends to cluster blocks q, q + P, q + 2P, ...,
-    # each into its own partial, and loads the next block's selection inputs before streaming
-    # the current one, so that their latency overlaps the stream.
-    empty = (jnp.zeros((p.rp, p.dp), jnp.float32), jnp.full((p.rp,), cm.MASK_VALUE, jnp.float32),
-             jnp.zeros((p.rp,), jnp.float32))
-    n_blocks = jnp.where(is_cl, cm.kcdiv(jnp.maximum(p.n_cb - cl_i, 0), p.n_pers), i32(0)).astype(i32)
-
-    def block_body(it, loaded):
-      cb = cl_i + it * p.n_pers
-      nxt = load_block((cb + p.n_pers) * p.bcs, is_cl & (cb + p.n_pers < p.n_cb))
-      store_partial(p.n_new + p.n_ex + cb, attend_block(cb * p.bcs, *loaded, empty), True)
-      return nxt
-
-    lax.fori_loop(i32(0), n_blocks, block_body, load_block(cl_i * p.bcs, is_cl & (cl_i < p.n_cb)))
-    n_sub_loop = jnp.where(is_ex, i32(1), i32(0)).astype(i32)          # the exact part only
   carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
-  store_partial(prog, carry, ~is_cl if p.n_pers else True)
+  o, m, l = carry
+  plgpu.store(o_ref.at[kv, prog, pl.ds(0, p.rp), :], o, mask=hv[:, None])
+  plgpu.store(m_ref.at[kv, prog, pl.ds(0, p.rp)], m, mask=hv)
+  plgpu.store(l_ref.at[kv, prog, pl.ds(0, p.rp)], l, mask=hv)
 
 
 # ----------------------------------------------------------------------------
@@ -545,7 +502,7 @@ def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q
   outs = pallas_call(
       functools.partial(_attn_kernel, p=p, scale=scale, return_stats=return_stats),
       backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      grid=(hkv, p.n_grid), out_shape=out_shape, name="clustered_attention",
+      grid=(hkv, p.n_prog), out_shape=out_shape, name="clustered_attention",
   )(*args)
   o, m, l = outs[-3:]
   return o, m, l, (outs[0] if return_stats else None)

@@ -248,15 +248,9 @@ MULTI_BLOCK = [(8, 2, "kv", jnp.float32, 32, 2), (8, 2, "q", jnp.float32, 32, 3)
                (8, 2, "kv", BF, 32, 2)]
 
 
-# Persistent cluster programs (each attends to every P-th cluster block, prefetching the next one's
-# selection inputs): one program for all blocks, two, and more programs than blocks.
-PERSISTENT = [(8, 2, "kv", jnp.float32, 32, 1, 1), (8, 2, "q", jnp.float32, 32, 1, 2),
-              (8, 2, "kv", BF, 32, 2, 3), (4, 4, "kv", jnp.float32, 32, 1, 64)]
-
-
-@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks,persistent",
-                         [c + (1, None) for c in DECODE_CASES] + [c + (None,) for c in MULTI_BLOCK] + PERSISTENT)
-def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks, persistent):
+@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks",
+                         [c + (1,) for c in DECODE_CASES] + MULTI_BLOCK)
+def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks):
   scale = d ** -0.5
   x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
   thr = threshold_for(x, meta, scale, vote)
@@ -266,8 +260,7 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_
   assert big, "need clusters larger than the row tile"
   x = poison_unselected(x, meta, sel_np)
   args = args_of(x, thr)
-  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2),
-                            persistent_programs=persistent)
+  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2))
   out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=True,
                                               backend="interpret", config=cfg)
   ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
@@ -693,7 +686,6 @@ def test_decode_selected_lowers(fake_h100):
     ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
     ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
     ClusteredConfig(score_blocks=4, score_stages=2),
-    ClusteredConfig(persistent_programs=40),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
