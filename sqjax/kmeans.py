@@ -22,6 +22,18 @@ from sqjax._checks import check_float, check_rank
 
 _EPS = 1e-12
 
+# jax.jit compiler_options for the clustering programs when they run at the top level: on GPU,
+# XLA's scatter-adds (the centroid sums) accumulate in whatever order the threads arrive, so two
+# builds of one document gave different clusters (seen on an H200); with deterministic ops the
+# same inputs and seed give a bit-identical index.  (jax takes compiler_options only on a
+# top-level jit, so inside a caller's jit -- the sharded builds -- the plain programs run.)
+DETERMINISTIC = {"xla_gpu_deterministic_ops": True}
+
+
+def top_level(*arrays) -> bool:
+    """True unless called inside a jax transformation (arrays are tracers there)."""
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
 
 @dataclasses.dataclass(frozen=True)
 class KMeansConfig:
@@ -30,7 +42,8 @@ class KMeansConfig:
     n_clusters: number of centroids C (>= 1, <= number of points).
     max_iters:  Lloyd iteration cap; stops earlier once no label changes.
     chunk:      points per similarity block (bounds memory to chunk × C floats per head).
-    seed:       PRNG seed for the seeding (results are deterministic under a seed).
+    seed:       PRNG seed for the seeding (results are deterministic under a seed, on GPU too
+                when called at the top level: `DETERMINISTIC`).
     init:       "kmeans++" (D² sampling, C sequential steps) or "random" (C distinct points:
                 one step; what SAAP's Faiss training uses).
     seed_pool_per_centroid, seed_pool_min: k-means++ draws its seeds from a random subset of
@@ -170,13 +183,16 @@ def _spherical_kmeans_single(x: jax.Array, key: jax.Array, cfg: KMeansConfig) ->
     return KMeansResult(means, cn, labels, counts, n_iters)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _spherical_kmeans_jit(x: jax.Array, seed: jax.Array, cfg: KMeansConfig) -> KMeansResult:
+def _spherical_kmeans_batched(x: jax.Array, seed: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     batch_shape = x.shape[:-2]
     flat = x.reshape((-1,) + x.shape[-2:])
     keys = jax.random.split(jax.random.key(seed), flat.shape[0])
     out = jax.vmap(lambda xi, ki: _spherical_kmeans_single(xi, ki, cfg))(flat, keys)
     return jax.tree.map(lambda a: a.reshape(batch_shape + a.shape[1:]), out)
+
+
+_spherical_kmeans_jit = jax.jit(_spherical_kmeans_batched, static_argnames=("cfg",))
+_spherical_kmeans_det = jax.jit(_spherical_kmeans_batched, static_argnames=("cfg",), compiler_options=DETERMINISTIC)
 
 
 def _check_enough_points(n_clusters: int, name: str, x: jax.Array) -> None:
@@ -197,7 +213,8 @@ def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     check_float("x", x)
     _check_enough_points(cfg.n_clusters, "x", x)
     # the seed is traced, so configs that differ only in seed share one compilation
-    return _spherical_kmeans_jit(x, jnp.uint32(cfg.seed), dataclasses.replace(cfg, seed=0))
+    fn = _spherical_kmeans_det if top_level(x) else _spherical_kmeans_jit
+    return fn(x, jnp.uint32(cfg.seed), dataclasses.replace(cfg, seed=0))
 
 
 def cluster_level_up(
@@ -211,11 +228,12 @@ def cluster_level_up(
     Only the non-empty children are clustered (`sqjax.masked_kmeans.level_up`, batch entries
     numbered in order); empty children get parent 0 and weigh nothing.
     """
-    from sqjax.masked_kmeans import level_up
+    from sqjax.masked_kmeans import level_up, level_up_deterministic
 
     check_rank("child_counts", child_counts, child_centroids.ndim - 1, "[..., C2]")
     _check_enough_points(cfg.n_clusters, "child centroids", child_centroids)
     batch = child_centroids.shape[:-2]
     ids = jnp.arange(math.prod(batch), dtype=jnp.uint32).reshape(batch)
-    return level_up(child_centroids, child_counts, jnp.uint32(cfg.seed), ids, n_clusters=cfg.n_clusters,
-                    max_iters=cfg.max_iters, chunk=cfg.chunk, init=cfg.init)
+    fn = level_up_deterministic if top_level(child_centroids, child_counts) else level_up
+    return fn(child_centroids, child_counts, jnp.uint32(cfg.seed), ids, n_clusters=cfg.n_clusters,
+              max_iters=cfg.max_iters, chunk=cfg.chunk, init=cfg.init)

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sqjax.kmeans import KMeansResult, assign, normalize
+from sqjax.kmeans import DETERMINISTIC, KMeansResult, assign, normalize
 
 
 def _draw(weights: jax.Array, key: jax.Array) -> jax.Array:
@@ -98,8 +98,7 @@ def _masked_kmeans_single(x, valid, key, *, n_clusters: int, max_iters: int, chu
     return KMeansResult(means, cn, labels, counts.astype(jnp.int32), n_iters)
 
 
-@functools.partial(jax.jit, static_argnames=("n_clusters", "max_iters", "chunk", "init"))
-def masked_spherical_kmeans(
+def _masked_spherical_kmeans(
     x: jax.Array,      # [..., N, d]
     valid: jax.Array,  # [N] bool (shared by the leading axes) or [..., N]
     seed: jax.Array,   # uint32 scalar (traced: seeds do not recompile)
@@ -129,8 +128,12 @@ def masked_spherical_kmeans(
     return jax.tree.map(lambda a: a.reshape(batch + a.shape[1:]), out)
 
 
-def level_up(child_centroids: jax.Array, child_counts: jax.Array, seed, ids, *, n_clusters: int, max_iters: int,
-             chunk: int = 4096, init: str = "kmeans++") -> tuple[jax.Array, jax.Array, jax.Array]:
+_STATIC = ("n_clusters", "max_iters", "chunk", "init")
+masked_spherical_kmeans = jax.jit(_masked_spherical_kmeans, static_argnames=_STATIC)
+
+
+def _level_up(child_centroids: jax.Array, child_counts: jax.Array, seed, ids, *, n_clusters: int, max_iters: int,
+              chunk: int = 4096, init: str = "kmeans++") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Cluster level-2 centroids into level 1 (hierarchical Squeezed Attention §3.3).
 
     child_centroids [..., C2, d], child_counts [..., C2] -> (parent [..., C2] int32, centroids
@@ -142,8 +145,8 @@ def level_up(child_centroids: jax.Array, child_counts: jax.Array, seed, ids, *, 
     512K when a quarter of level 2 was empty). Empty children get parent 0; they are never
     candidates (count 0) whatever their parent.
     """
-    res = masked_spherical_kmeans(child_centroids, child_counts > 0, seed, ids, n_clusters=n_clusters,
-                                  max_iters=max_iters, chunk=chunk, init=init)
+    res = _masked_spherical_kmeans(child_centroids, child_counts > 0, seed, ids, n_clusters=n_clusters,
+                                   max_iters=max_iters, chunk=chunk, init=init)
     parent = jnp.where(res.labels >= 0, res.labels, 0).astype(jnp.int32)
     w = child_counts.astype(jnp.float32)
 
@@ -156,3 +159,8 @@ def level_up(child_centroids: jax.Array, child_counts: jax.Array, seed, ids, *, 
     flat = lambda a, k: a.reshape((-1,) + a.shape[len(batch):])  # noqa: E731
     cent1, cnt1 = jax.vmap(per_entry)(flat(child_centroids.astype(jnp.float32), 0), flat(w, 0), flat(parent, 0))
     return parent, cent1.reshape(batch + cent1.shape[1:]), cnt1.reshape(batch + cnt1.shape[1:])
+
+
+level_up = jax.jit(_level_up, static_argnames=_STATIC)
+# the same at the top level, with deterministic scatter-adds on GPU (sqjax.kmeans.DETERMINISTIC)
+level_up_deterministic = jax.jit(_level_up, static_argnames=_STATIC, compiler_options=DETERMINISTIC)

@@ -40,6 +40,29 @@ def test_deterministic_under_seed_and_seed_matters(rng):
     np.testing.assert_array_equal(np.asarray(a.centroids), np.asarray(b.centroids))
 
 
+def test_top_level_clustering_compiles_with_deterministic_scatter_adds(rng):
+    """The centroid sums are scatter-adds; at the top level they compile deterministic on GPU
+    (same inputs and seed: a bit-identical index, benchmarks/results/gpu_h200_deterministic_build/).
+    jax takes compiler options only on a top-level jit, so inside a caller's jit (the sharded
+    builds) the plain programs run: both paths give the same clusters here (CPU)."""
+    from sqjax import kmeans, masked_kmeans
+
+    # which programs carry the option (a private jax attribute: this fails loudly if jax moves it)
+    assert dict(kmeans._spherical_kmeans_det._jit_info.compiler_options_kvs) == kmeans.DETERMINISTIC
+    assert dict(masked_kmeans.level_up_deterministic._jit_info.compiler_options_kvs) == kmeans.DETERMINISTIC
+    assert not kmeans._spherical_kmeans_jit._jit_info.compiler_options_kvs
+    assert not masked_kmeans.level_up._jit_info.compiler_options_kvs
+    x = jnp.asarray(rng.normal(size=(2, 300, 8)).astype(np.float32))
+    cfg, cfg1 = KMeansConfig(12, seed=5), KMeansConfig(3, seed=2)
+    top = spherical_kmeans(x, cfg)
+    top_up = cluster_level_up(top.centroids, top.counts, cfg1)
+    nested = jax.jit(lambda a: spherical_kmeans(a, cfg))(x)
+    nested_up = jax.jit(lambda c, n: cluster_level_up(c, n, cfg1))(top.centroids, top.counts)
+    np.testing.assert_array_equal(np.asarray(nested.labels), np.asarray(top.labels))
+    for a, b in zip(nested_up, top_up):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 @pytest.mark.parametrize("pool,dtype", [(None, jnp.float32), (60, jnp.float32), (None, jnp.bfloat16)])
 def test_recovers_separated_directions(rng, pool, dtype):
     """Also when k-means++ seeds from a random subset of 60 of the 500 points, and for bf16
