@@ -22,11 +22,12 @@ from sqjax._checks import check_float, check_rank
 
 _EPS = 1e-12
 
-# jax.jit compiler_options for the clustering programs when they run at the top level: on GPU,
-# XLA's scatter-adds (the centroid sums) accumulate in whatever order the threads arrive, so two
-# builds of one document gave different clusters (seen on an H200); with deterministic ops the
-# same inputs and seed give a bit-identical index.  (jax takes compiler_options only on a
-# top-level jit, so inside a caller's jit -- the sharded builds -- the plain programs run.)
+# jax.jit compiler_options of the clustering programs with `KMeansConfig(deterministic=True)`:
+# on GPU, XLA's scatter-adds (the centroid sums) accumulate in whatever order the threads arrive,
+# so two builds of one document give slightly different clusters; with deterministic ops the same
+# inputs and seed give a bit-identical index, at about twice the build time (measured on an H200:
+# benchmarks/results/gpu_h200_deterministic_build/).  jax takes compiler_options only on a
+# top-level jit, so inside a caller's jit (the sharded builds) the plain programs run.
 DETERMINISTIC = {"xla_gpu_deterministic_ops": True}
 
 
@@ -42,8 +43,10 @@ class KMeansConfig:
     n_clusters: number of centroids C (>= 1, <= number of points).
     max_iters:  Lloyd iteration cap; stops earlier once no label changes.
     chunk:      points per similarity block (bounds memory to chunk × C floats per head).
-    seed:       PRNG seed for the seeding (results are deterministic under a seed, on GPU too
-                when called at the top level: `DETERMINISTIC`).
+    seed:       PRNG seed for the seeding (on CPU results are deterministic under a seed; on
+                GPU only with `deterministic`).
+    deterministic: compile with deterministic scatter-adds (`DETERMINISTIC`): bit-identical
+                results on GPU too, about 2x slower there (called inside a jit: no effect).
     init:       "kmeans++" (D² sampling, C sequential steps) or "random" (C distinct points:
                 one step; what SAAP's Faiss training uses).
     seed_pool_per_centroid, seed_pool_min: k-means++ draws its seeds from a random subset of
@@ -60,6 +63,7 @@ class KMeansConfig:
     init: str = "kmeans++"
     seed_pool_per_centroid: int = 4
     seed_pool_min: int = 16384
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.n_clusters < 1:
@@ -213,7 +217,7 @@ def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     check_float("x", x)
     _check_enough_points(cfg.n_clusters, "x", x)
     # the seed is traced, so configs that differ only in seed share one compilation
-    fn = _spherical_kmeans_det if top_level(x) else _spherical_kmeans_jit
+    fn = _spherical_kmeans_det if cfg.deterministic and top_level(x) else _spherical_kmeans_jit
     return fn(x, jnp.uint32(cfg.seed), dataclasses.replace(cfg, seed=0))
 
 
@@ -234,6 +238,6 @@ def cluster_level_up(
     _check_enough_points(cfg.n_clusters, "child centroids", child_centroids)
     batch = child_centroids.shape[:-2]
     ids = jnp.arange(math.prod(batch), dtype=jnp.uint32).reshape(batch)
-    fn = level_up_deterministic if top_level(child_centroids, child_counts) else level_up
+    fn = level_up_deterministic if cfg.deterministic and top_level(child_centroids, child_counts) else level_up
     return fn(child_centroids, child_counts, jnp.uint32(cfg.seed), ids, n_clusters=cfg.n_clusters,
               max_iters=cfg.max_iters, chunk=cfg.chunk, init=cfg.init)

@@ -138,6 +138,7 @@ class Squeezed(Method):
     kmeans_iters: int = 25
     kmeans_init: str = "kmeans++"
     seed: int = 0
+    deterministic_build: bool = False   # GPU: bit-identical index from the same document and seed, ~2x slower build
 
     def __post_init__(self):
         super().__post_init__()
@@ -148,7 +149,8 @@ class Squeezed(Method):
         return squeezed.SqueezedConfig(
             sparsity=self.sparsity, centroid_fraction=self.centroid_fraction, n_centroids=self.n_centroids,
             n_obs=self.n_obs, n_sink=self.n_sink, vote=self.vote, capacity_fraction=self.capacity_fraction,
-            kmeans_iters=self.kmeans_iters, kmeans_init=self.kmeans_init, seed=self.seed, **self._hier_kwargs(),
+            kmeans_iters=self.kmeans_iters, kmeans_init=self.kmeans_init, seed=self.seed,
+            deterministic_build=self.deterministic_build, **self._hier_kwargs(),
         )
 
     def _hier_kwargs(self) -> dict:

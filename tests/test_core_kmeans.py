@@ -40,11 +40,11 @@ def test_deterministic_under_seed_and_seed_matters(rng):
     np.testing.assert_array_equal(np.asarray(a.centroids), np.asarray(b.centroids))
 
 
-def test_top_level_clustering_compiles_with_deterministic_scatter_adds(rng):
-    """The centroid sums are scatter-adds; at the top level they compile deterministic on GPU
-    (same inputs and seed: a bit-identical index, benchmarks/results/gpu_h200_deterministic_build/).
-    jax takes compiler options only on a top-level jit, so inside a caller's jit (the sharded
-    builds) the plain programs run: both paths give the same clusters here (CPU)."""
+def test_deterministic_build_uses_deterministic_programs(rng, monkeypatch):
+    """KMeansConfig(deterministic=True) runs the clustering programs compiled with deterministic
+    scatter-adds (on GPU the same inputs and seed then give a bit-identical index, ~2x slower:
+    benchmarks/results/gpu_h200_deterministic_build/); inside a caller's jit (jax takes compiler
+    options only on a top-level jit) and by default the plain ones. Same clusters either way here."""
     from sqjax import kmeans, masked_kmeans
 
     # which programs carry the option (a private jax attribute: this fails loudly if jax moves it)
@@ -52,15 +52,28 @@ def test_top_level_clustering_compiles_with_deterministic_scatter_adds(rng):
     assert dict(masked_kmeans.level_up_deterministic._jit_info.compiler_options_kvs) == kmeans.DETERMINISTIC
     assert not kmeans._spherical_kmeans_jit._jit_info.compiler_options_kvs
     assert not masked_kmeans.level_up._jit_info.compiler_options_kvs
+    used = []
+    for mod, name in ((kmeans, "_spherical_kmeans_det"), (kmeans, "_spherical_kmeans_jit"),
+                      (masked_kmeans, "level_up_deterministic"), (masked_kmeans, "level_up")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: used.append(_n) or _r(*a, **k))
     x = jnp.asarray(rng.normal(size=(2, 300, 8)).astype(np.float32))
-    cfg, cfg1 = KMeansConfig(12, seed=5), KMeansConfig(3, seed=2)
-    top = spherical_kmeans(x, cfg)
-    top_up = cluster_level_up(top.centroids, top.counts, cfg1)
-    nested = jax.jit(lambda a: spherical_kmeans(a, cfg))(x)
-    nested_up = jax.jit(lambda c, n: cluster_level_up(c, n, cfg1))(top.centroids, top.counts)
-    np.testing.assert_array_equal(np.asarray(nested.labels), np.asarray(top.labels))
-    for a, b in zip(nested_up, top_up):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    runs = {}
+    for det in (False, True):
+        cfg, cfg1 = KMeansConfig(12, seed=5, deterministic=det), KMeansConfig(3, seed=2, deterministic=det)
+        used.clear()
+        top = spherical_kmeans(x, cfg)
+        up = cluster_level_up(top.centroids, top.counts, cfg1)
+        assert used == (["_spherical_kmeans_det", "level_up_deterministic"] if det else
+                        ["_spherical_kmeans_jit", "level_up"])
+        runs[det] = (top, up)
+    used.clear()
+    nested = jax.jit(lambda a: spherical_kmeans(a, KMeansConfig(12, seed=5, deterministic=True)))(x)
+    assert used == ["_spherical_kmeans_jit"]
+    for r in (runs[True][0], nested):
+        np.testing.assert_array_equal(np.asarray(r.labels), np.asarray(runs[False][0].labels))
+    for a, b in zip(runs[True][1], runs[False][1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("pool,dtype", [(None, jnp.float32), (60, jnp.float32), (None, jnp.bfloat16)])
@@ -147,3 +160,23 @@ def test_level_up_spends_no_cluster_on_empty_children(rng, init):
     assert np.isfinite(np.asarray(c1_cent)).all()
     with pytest.raises(ValueError, match="more centroids than points"):
         cluster_level_up(jnp.asarray(cent), jnp.asarray(cnt), KMeansConfig(c2 + 1))
+
+
+def test_squeezed_deterministic_build_reaches_the_clustering(rng, monkeypatch):
+    """`Squeezed(deterministic_build=True)` (and the hierarchical one) cluster through the
+    deterministic programs; the index equals the default build's here (CPU)."""
+    from sqjax import kmeans, masked_kmeans
+    from sqjax.methods import ContextData, HierarchicalSqueezed
+
+    used = []
+    for mod, name in ((kmeans, "_spherical_kmeans_det"), (masked_kmeans, "level_up_deterministic")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: used.append(_n) or _r(*a, **k))
+    k = jnp.asarray(rng.normal(size=(1, 2, 700, 16)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(1, 4, 100, 16)).astype(np.float32))
+    data = ContextData(k, k, q, k_pre=k, scale=0.25)
+    idx = [HierarchicalSqueezed(centroid_fraction=0.05, level1_fraction=0.01, deterministic_build=det).build(data)[0]
+           for det in (False, True)]
+    assert used == ["_spherical_kmeans_det", "level_up_deterministic"]
+    for f in ("labels", "centroids", "parent", "centroids1"):
+        np.testing.assert_array_equal(np.asarray(getattr(idx[0].layers, f)), np.asarray(getattr(idx[1].layers, f)))
