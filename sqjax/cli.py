@@ -128,6 +128,9 @@ def cmd_index(args) -> int:
     extra = {}
     if args.method in ("squeezed", "hsqueezed"):
         extra["n_sink"] = args.n_sink
+        extra["deterministic_build"] = args.deterministic
+    elif args.deterministic:
+        raise SqjaxError(f"--deterministic is for squeezed and hsqueezed (k-means); {args.method} builds without it")
     if args.method == "saap" and args.probes:
         extra["probes"] = args.probes
     method = make_method(args.method, args.sparsity, args.budget, **extra)
@@ -236,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--budget", type=float, default=None, help="quest/snapkv/streaming/oracle: fraction kept")
     i.add_argument("--probes", type=int, default=None, help="saap: buckets visited per query")
     i.add_argument("--n-sink", type=int, default=0, help="squeezed: attention-sink tokens kept exactly")
+    i.add_argument("--deterministic", action="store_true",
+                   help="squeezed: bit-identical index on GPU from the same document (about 2x slower clustering)")
     i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
     i.set_defaults(fn=cmd_index)

@@ -7,6 +7,8 @@ import sys
 import pytest
 from _tiny_model import save_hf_checkpoint, tiny_model
 
+import sqjax
+from sqjax import FixedContext
 from sqjax.cli import main
 
 DOC = " ".join(f"Record {i}: the {c} valve in room {i % 9} was serviced." for i, c in
@@ -56,12 +58,14 @@ def test_index_then_ask_json(capsys, model_dir, doc_file, tmp_path):
     assert code == 0 and "KV budget" in out
 
 
-@pytest.mark.parametrize("method", ["quest", "snapkv", "saap", "hsqueezed"])
-def test_index_other_methods(capsys, model_dir, doc_file, tmp_path, method):
+@pytest.mark.parametrize("method,extra", [("quest", ()), ("snapkv", ()), ("saap", ()), ("hsqueezed", ("--deterministic",))])
+def test_index_other_methods(capsys, model_dir, doc_file, tmp_path, method, extra):
     code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
-                          "--method", method, "--json")
+                          "--method", method, "--json", *extra)
     assert code == 0, err
     assert json.loads(out)["method"].startswith(method if method != "saap" else "saap")
+    if extra:  # the flag reached the method (saved with the index)
+        assert FixedContext.load(tmp_path / "m.sqx", sqjax.load_model(model_dir)).method.deterministic_build
 
 
 def _error_line(err: str) -> str:
@@ -90,6 +94,10 @@ def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
 
     code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", "no-such-model")
     assert code != 0 and "unknown model" in _error_line(err)
+
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "q.sqx"), "--model", model_dir,
+                        "--method", "quest", "--deterministic")
+    assert code != 0 and "--deterministic is for squeezed and hsqueezed" in _error_line(err)
 
     with pytest.raises(SystemExit) as e:  # argparse rejects an unknown method by name
         main(["index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--method", "magic"])
