@@ -25,13 +25,13 @@ _EPS = 1e-12
 # jax.jit compiler_options of the clustering programs with `KMeansConfig(deterministic=True)`:
 # on GPU, XLA's scatter-adds (the centroid sums) accumulate in whatever order the threads arrive,
 # so two builds of one document give slightly different clusters; with deterministic ops the same
-# inputs and seed give a bit-identical index, at about twice the build time (measured on an H200:
+# inputs and seed give a bit-identical index, at 1.3-2.2x the build time (128K-512K, measured on an H200:
 # benchmarks/results/gpu_h200_deterministic_build/).  jax takes compiler_options only on a
 # top-level jit, so inside a caller's jit (the sharded builds) the plain programs run.
 DETERMINISTIC = {"xla_gpu_deterministic_ops": True}
 
 
-def top_level(*arrays) -> bool:
+def _top_level(*arrays) -> bool:
     """True unless called inside a jax transformation (arrays are tracers there)."""
     return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
@@ -46,7 +46,7 @@ class KMeansConfig:
     seed:       PRNG seed for the seeding (on CPU results are deterministic under a seed; on
                 GPU only with `deterministic`).
     deterministic: compile with deterministic scatter-adds (`DETERMINISTIC`): bit-identical
-                results on GPU too, about 2x slower there (called inside a jit: no effect).
+                results on GPU too, 1.3-2.2x slower there (called inside a jit: no effect).
     init:       "kmeans++" (D² sampling, C sequential steps) or "random" (C distinct points:
                 one step; what SAAP's Faiss training uses).
     seed_pool_per_centroid, seed_pool_min: k-means++ draws its seeds from a random subset of
@@ -217,7 +217,7 @@ def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     check_float("x", x)
     _check_enough_points(cfg.n_clusters, "x", x)
     # the seed is traced, so configs that differ only in seed share one compilation
-    fn = _spherical_kmeans_det if cfg.deterministic and top_level(x) else _spherical_kmeans_jit
+    fn = _spherical_kmeans_det if cfg.deterministic and _top_level(x) else _spherical_kmeans_jit
     return fn(x, jnp.uint32(cfg.seed), dataclasses.replace(cfg, seed=0))
 
 
@@ -238,6 +238,6 @@ def cluster_level_up(
     _check_enough_points(cfg.n_clusters, "child centroids", child_centroids)
     batch = child_centroids.shape[:-2]
     ids = jnp.arange(math.prod(batch), dtype=jnp.uint32).reshape(batch)
-    fn = level_up_deterministic if cfg.deterministic and top_level(child_centroids, child_counts) else level_up
+    fn = level_up_deterministic if cfg.deterministic and _top_level(child_centroids, child_counts) else level_up
     return fn(child_centroids, child_counts, jnp.uint32(cfg.seed), ids, n_clusters=cfg.n_clusters,
               max_iters=cfg.max_iters, chunk=cfg.chunk, init=cfg.init)

@@ -138,7 +138,7 @@ class Squeezed(Method):
     kmeans_iters: int = 25
     kmeans_init: str = "kmeans++"
     seed: int = 0
-    deterministic_build: bool = False   # GPU: bit-identical index from the same document and seed, ~2x slower build
+    deterministic_build: bool = False   # GPU: bit-identical index from the same document and seed, 1.3-2.2x slower build
 
     def __post_init__(self):
         super().__post_init__()

@@ -40,9 +40,18 @@ def test_deterministic_under_seed_and_seed_matters(rng):
     np.testing.assert_array_equal(np.asarray(a.centroids), np.asarray(b.centroids))
 
 
+def _spy(monkeypatch, *targets) -> list:
+    """Wrap each (module, function name) so that calls append the name to the returned list."""
+    used = []
+    for mod, name in targets:
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: used.append(_n) or _r(*a, **k))
+    return used
+
+
 def test_deterministic_build_uses_deterministic_programs(rng, monkeypatch):
     """KMeansConfig(deterministic=True) runs the clustering programs compiled with deterministic
-    scatter-adds (on GPU the same inputs and seed then give a bit-identical index, ~2x slower:
+    scatter-adds (on GPU the same inputs and seed then give a bit-identical index, 1.3-2.2x slower:
     benchmarks/results/gpu_h200_deterministic_build/); inside a caller's jit (jax takes compiler
     options only on a top-level jit) and by default the plain ones. Same clusters either way here."""
     from sqjax import kmeans, masked_kmeans
@@ -52,11 +61,8 @@ def test_deterministic_build_uses_deterministic_programs(rng, monkeypatch):
     assert dict(masked_kmeans.level_up_deterministic._jit_info.compiler_options_kvs) == kmeans.DETERMINISTIC
     assert not kmeans._spherical_kmeans_jit._jit_info.compiler_options_kvs
     assert not masked_kmeans.level_up._jit_info.compiler_options_kvs
-    used = []
-    for mod, name in ((kmeans, "_spherical_kmeans_det"), (kmeans, "_spherical_kmeans_jit"),
-                      (masked_kmeans, "level_up_deterministic"), (masked_kmeans, "level_up")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: used.append(_n) or _r(*a, **k))
+    used = _spy(monkeypatch, (kmeans, "_spherical_kmeans_det"), (kmeans, "_spherical_kmeans_jit"),
+                (masked_kmeans, "level_up_deterministic"), (masked_kmeans, "level_up"))
     x = jnp.asarray(rng.normal(size=(2, 300, 8)).astype(np.float32))
     runs = {}
     for det in (False, True):
@@ -168,10 +174,7 @@ def test_squeezed_deterministic_build_reaches_the_clustering(rng, monkeypatch):
     from sqjax import kmeans, masked_kmeans
     from sqjax.methods import ContextData, HierarchicalSqueezed
 
-    used = []
-    for mod, name in ((kmeans, "_spherical_kmeans_det"), (masked_kmeans, "level_up_deterministic")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: used.append(_n) or _r(*a, **k))
+    used = _spy(monkeypatch, (kmeans, "_spherical_kmeans_det"), (masked_kmeans, "level_up_deterministic"))
     k = jnp.asarray(rng.normal(size=(1, 2, 700, 16)).astype(np.float32))
     q = jnp.asarray(rng.normal(size=(1, 4, 100, 16)).astype(np.float32))
     data = ContextData(k, k, q, k_pre=k, scale=0.25)
