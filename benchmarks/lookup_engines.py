@@ -1,0 +1,147 @@
+"""The prefill centroid lookup (two passes, Eq. 1 averaged over a token block) on its two GPU
+engines, side by side in one process: the Triton passes (``centroid_lookup``) and the Mosaic
+GPU passes (``lookup_mosaic``), over several Mosaic tilings.
+
+Shapes: Llama-3-8B attention (32 query heads, 8 KV heads, d = 128, bf16), T query tokens over
+a fixed context of L keys with 5% centroids; the 1-level call (every centroid) and a bounded
+call shaped like the hierarchical level 2 (each group's candidates compacted to the front,
+``--bound`` of the rows).  Each engine's output is checked against an f32 XLA reference on
+group 0 and against the other engine.  Median of ``--reps`` calls after warm-up, each ending
+in ``block_until_ready``.
+
+    python -m benchmarks.lookup_engines --out benchmarks/results/<run>
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._meta import metadata
+from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, lookup_prefill_scores
+from pallas_kernels.lookup_mosaic import MosaicLookupConfig, lookup_prefill_scores_mosaic
+
+MOSAIC_CONFIGS = [
+    MosaicLookupConfig(),
+    MosaicLookupConfig(stages=3),
+    MosaicLookupConfig(stats_block_c=256),
+    MosaicLookupConfig(stats_block_c=64, stages=3),
+    MosaicLookupConfig(score_block_c=128, score_block_t=64),
+    MosaicLookupConfig(score_block_c=128, score_block_t=128),
+    MosaicLookupConfig(score_block_c=64, score_block_t=256),
+]
+
+
+def reference_group0(q, c, n, nv, scale, groups):
+  """f32 XLA Eq. 1 averaged over group 0's heads and tokens: [C]."""
+  hq, _, _ = q.shape
+  hkv, num_c, _ = c.shape
+  r = hq // groups
+  kv = 0
+  x = jnp.einsum("htd,cd->htc", q[:r].astype(jnp.float32), c[kv].astype(jnp.float32)) * scale
+  nn = n[kv].astype(jnp.float32)
+  valid = nn > 0
+  if nv is not None:
+    valid = valid & (jnp.arange(num_c) < nv[0])
+  x = jnp.where(valid, x, -jnp.inf)
+  mx = jnp.max(x, axis=-1, keepdims=True)
+  e = jnp.where(valid, jnp.exp(x - mx), 0.0)
+  s = e / jnp.sum(e * nn, axis=-1, keepdims=True)
+  return jnp.mean(s, axis=(0, 1))
+
+
+def timed(fn, args, reps):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts), out
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--length", type=int, default=512 * 1024)
+  ap.add_argument("--tokens", type=int, default=4096)
+  ap.add_argument("--bound", type=float, default=0.47)
+  ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--out", type=Path, required=True)
+  ap.add_argument("--interpret", action="store_true",
+                  help="run both engines' kernels in their CPU interpreters (a smoke test, no timing value)")
+  args = ap.parse_args(argv)
+  hq, hkv, d, groups = 32, 8, 128, 8
+  num_c = int(round(0.05 * args.length))
+  scale = d ** -0.5
+  key = jax.random.PRNGKey(0)
+  kq, kc, kn = jax.random.split(key, 3)
+  q = jax.random.normal(kq, (hq, args.tokens, d), jnp.bfloat16)
+  c = jax.random.normal(kc, (hkv, num_c, d), jnp.bfloat16) * 0.5
+  n = jax.random.randint(kn, (hkv, num_c), 0, 40).astype(jnp.int32)
+  nv = jnp.full((groups,), int(args.bound * num_c), jnp.int32)
+  flops = lambda cols: 2 * 2 * hq * args.tokens * cols * d   # noqa: E731  two passes
+  be = "interpret" if args.interpret else "pallas"
+  rows = []
+  print(f"prefill lookup, {args.tokens} tokens over {args.length} keys ({num_c} centroids)", flush=True)
+  for bounded in (False, True):
+    nvx = nv if bounded else None
+    cols = int(args.bound * num_c) if bounded else num_c
+    ref = np.asarray(reference_group0(q, c, n, nvx, scale, groups))
+    tri = jax.jit(lambda q, c, n, nv=nvx: lookup_prefill_scores(q, c, n, nv, scale=scale, groups=groups,
+                                                                  cfg=DEFAULT_PREFILL, backend=be))
+    t_tri, o_tri = timed(tri, (q, c, n), args.reps)
+    rows.append(dict(engine="triton", bounded=bounded, config="DEFAULT_PREFILL", seconds=t_tri,
+                     tflops=flops(cols) / t_tri / 1e12, rel_err_ref=rel(o_tri[0], ref)))
+    print(f"  {'bounded' if bounded else '1-level'} triton {t_tri * 1e3:.3f} ms "
+          f"({rows[-1]['tflops']:.0f} TFLOP/s) err {rows[-1]['rel_err_ref']:.2e}", flush=True)
+    for cfg in (MOSAIC_CONFIGS[:2] if args.interpret else MOSAIC_CONFIGS):
+      label = (f"stats {cfg.stats_block_t}x{cfg.stats_block_c} score {cfg.score_block_c}x"
+               f"{cfg.score_block_t} stages {cfg.stages}")
+      try:
+        mos = jax.jit(lambda q, c, n, nv=nvx, cfg=cfg: lookup_prefill_scores_mosaic(
+            q, c, n, nv, scale=scale, groups=groups, cfg=cfg, interpret=args.interpret))
+        t, o = timed(mos, (q, c, n), args.reps)
+        row = dict(engine="mosaic", bounded=bounded, config=label, seconds=t,
+                   tflops=flops(cols) / t / 1e12, rel_err_ref=rel(o[0], ref),
+                   rel_err_triton=rel(o, o_tri), ratio_vs_triton=t / t_tri)
+        print(f"  {'bounded' if bounded else '1-level'} mosaic [{label}] {t * 1e3:.3f} ms "
+              f"({row['tflops']:.0f} TFLOP/s, {t / t_tri:.2f}x triton) err {row['rel_err_ref']:.2e} "
+              f"vs triton {row['rel_err_triton']:.2e}", flush=True)
+      except Exception as e:  # a tiling that does not compile is reported, not fatal
+        row = dict(engine="mosaic", bounded=bounded, config=label, error=f"{type(e).__name__}: {str(e)[:600]}")
+        print(f"  mosaic [{label}] FAILED {row['error'][:300]}", flush=True)
+      rows.append(row)
+  res = dict(meta=metadata(), shape=dict(hq=hq, hkv=hkv, d=d, tokens=args.tokens, length=args.length,
+                                          centroids=num_c, bound=args.bound, dtype="bfloat16"),
+             reps=args.reps, timing="median of reps calls, each ending in block_until_ready", rows=rows)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "lookup_engines.json").write_text(json.dumps(res, indent=1))
+  md = ["| call | engine | tiling | ms | TFLOP/s | vs Triton | rel. err. vs f32 |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      md.append(f"| {'bounded' if r['bounded'] else '1-level'} | {r['engine']} | {r['config']} | failed | | | |")
+      continue
+    md.append(f"| {'bounded' if r['bounded'] else '1-level'} | {r['engine']} | {r['config']} | "
+              f"{r['seconds'] * 1e3:.3f} | {r['tflops']:.0f} | {r.get('ratio_vs_triton', 1.0):.2f} | "
+              f"{r['rel_err_ref']:.1e} |")
+  (args.out / "lookup_engines.md").write_text("\n".join(md) + "\n")
+  print("\n".join(md))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
