@@ -30,11 +30,12 @@ from pallas_kernels.lookup_mosaic import MosaicLookupConfig, lookup_prefill_scor
 MOSAIC_CONFIGS = [
     MosaicLookupConfig(),
     MosaicLookupConfig(stages=3),
-    MosaicLookupConfig(stats_block_c=256),
     MosaicLookupConfig(stats_block_c=64, stages=3),
+    MosaicLookupConfig(stats_block_c=256),
     MosaicLookupConfig(score_block_c=128, score_block_t=64),
     MosaicLookupConfig(score_block_c=128, score_block_t=128),
     MosaicLookupConfig(score_block_c=64, score_block_t=256),
+    MosaicLookupConfig(score_block_c=64, score_block_t=64, stages=3),
 ]
 
 
@@ -109,7 +110,7 @@ def main(argv=None):
     print(f"  {'bounded' if bounded else '1-level'} triton {t_tri * 1e3:.3f} ms "
           f"({rows[-1]['tflops']:.0f} TFLOP/s) err {rows[-1]['rel_err_ref']:.2e}", flush=True)
     for cfg in (MOSAIC_CONFIGS[:2] if args.interpret else MOSAIC_CONFIGS):
-      label = (f"stats {cfg.stats_block_t}x{cfg.stats_block_c} score {cfg.score_block_c}x"
+      label = (f"stats 64x{cfg.stats_block_c} score {cfg.score_block_c}x"
                f"{cfg.score_block_t} stages {cfg.stages}")
       try:
         mos = jax.jit(lambda q, c, n, nv=nvx, cfg=cfg: lookup_prefill_scores_mosaic(

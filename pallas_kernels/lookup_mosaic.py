@@ -3,17 +3,21 @@
 Same contract and arithmetic as ``centroid_lookup.lookup_prefill_scores`` (Eq. 1 averaged
 over a block of T query tokens, App. D), base-2 logits ``s = log2(e) * scale * q.C``:
 
-* pass 1 (statistics), one program per (token block of ``block_t``, query head): the
-  running max ``m_t`` and denominator ``l_t = sum_j N_j exp2(s_tj - m_t)`` over the head's
-  centroids (rows ``[0, n_valid[g])`` of a bounded call), a [block_t, block_c] logit tile
-  per step from one ``wgmma`` of the query tile against a centroid block that TMA brings
-  into a ring of ``stages`` shared-memory slots;
-* pass 2 (scoring), one program per (centroid block, group, split): the centroid block
-  stays in shared memory and the program streams its share of the group's (head, token
-  block) query tiles through the ring, summing ``exp2(min(s - m_t - log2 l_t, 0))`` over
-  the tokens (the tile is [block_c, block_t]: centroids on the wgmma's M side, so the sum
-  over tokens is a row reduction).
+* pass 1 (statistics), one program per (128 tokens, query head): the running max and
+  denominator ``l_t = sum_j N_j exp2(s_tj - m_t)`` over the head's centroids (rows
+  ``[0, n_valid[g])`` of a bounded call).  Two compute warpgroups each hold 64 tokens and
+  share every centroid block, which a third warpgroup brings by TMA into a ring of
+  ``stages`` shared-memory slots; each step is one ``wgmma`` [64, block_c] per warpgroup,
+  and the counts enter the exponent (``s + log2 N``), so a logit costs one FFMA, a max, a
+  subtraction, an exp2 and an add;
+* pass 2 (scoring), one program per (centroid block, group, split): the centroid block stays
+  in shared memory while the program's share of the group's (head, token block) query tiles
+  stream through the ring, dealt alternately to the two compute warpgroups, each summing
+  ``exp2(s - m_t - log2 l_t)`` over the tokens (the tile is [block_c, block_t]: centroids on
+  the wgmma's M side, so the sum over tokens is a row reduction).
 
+While one compute warpgroup runs its exp2s the other's wgmma can run: that overlap, which the
+single-program Triton passes do not get, is the point of these kernels.
 No [H, C, T] tensor reaches HBM.  The per-column vectors (counts, ``m_t + log2 l_t``) ride
 the same TMA ring as the tiles they belong to.  Requires d % 64 == 0 and bf16 or
 f16 inputs; ``centroid_lookup`` keeps the Triton passes for everything else.
@@ -37,22 +41,22 @@ _BIG = 1e30          # m + log2 l of a padding token: exp2(s - BIG) = 0
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLookupConfig:
-  """Tiling of the Mosaic GPU prefill lookup passes.
+  """Tiling of the Mosaic GPU prefill lookup passes.  Each program runs 2 compute warpgroups
+  (64 tokens each in pass 1; alternate query tiles in pass 2) and one warpgroup that issues
+  the TMA copies.
 
-  stats_block_t / stats_block_c: tokens x centroids per wgmma tile of pass 1 (block_t a
-    multiple of 64, block_c of 64 and at most 256).
-  score_block_c / score_block_t: centroids x tokens per tile of pass 2 (block_c a
-    multiple of 64).
-  stages: shared-memory slots of each pass's TMA ring (>= 1).
+  stats_block_c: centroids per pass-1 tile ([64 tokens, block_c] per warpgroup).
+  score_block_c / score_block_t: centroids x tokens per pass-2 tile.
+  stages: shared-memory slots of each TMA ring (per compute warpgroup in pass 2).
+  All tile sizes: multiples of 64 in [64, 256].
   """
-  stats_block_t: int = 64
   stats_block_c: int = 128
   score_block_c: int = 64
   score_block_t: int = 128
   stages: int = 2
 
   def __post_init__(self):
-    for name in ("stats_block_t", "stats_block_c", "score_block_c", "score_block_t"):
+    for name in ("stats_block_c", "score_block_c", "score_block_t"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 64 or v % 64 or v > 256:
         raise ValueError(f"{name} must be a multiple of 64 in [64, 256], got {v!r}")
@@ -76,97 +80,139 @@ def _smem_tile(shape, dtype):
 def _compiler(interpret):
   kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
   if interpret:
-    kw["interpret"] = plgpu.InterpretGPUParams()
+    kw["interpret"] = plgpu.InterpretGPUParams(**(interpret if isinstance(interpret, dict) else {}))
   return kw
 
 
-def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, seq_tiles, bt, bc, stages, interpret):
+_COMPUTE_WGS = 2     # warpgroups doing wgmma + softmax; one more issues the TMA copies
+_WG = ("wg",)
+
+
+def _kernel(body, out_type, grid, names, scratch, interpret):
+  return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=names,
+                      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+                      scratch_types=scratch, **_compiler(interpret))
+
+
+def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret):
   """q [Hq, Tp, d]; c [Hkv, Cp, d]; cnt [Hkv, Cp] f32 (0 = no part); nv [G] int32 or None.
-  -> (m, l) [Hq, Tp] f32, base-2 units."""
+  -> (m, l) [Hq, Tp] f32 with m + log2 l = log2 sum_j N_j exp2(s_tj) (m is a stabiliser
+  that includes log2 N: the counts ride in the exponent, one FFMA per logit).
+
+  A program = 2 compute warpgroups x 64 tokens of one head, sharing each centroid block."""
   hq, tp, d = q.shape
+  bt = 64
   bounded = nv is not None
+  n_blocks = c.shape[1] // bc
 
   def body(*refs):
     if bounded:
-      q_ref, c_ref, n_ref, nv_ref, m_ref, l_ref, q_s, c_s, n_s, v_s, q_bar, c_bar, n_bar = refs
+      q_ref, c_ref, n_ref, nv_ref, m_ref, l_ref = refs[:6]
+      scratch = refs[6:]
     else:
-      q_ref, c_ref, n_ref, m_ref, l_ref, q_s, c_s, n_s, v_s, q_bar, c_bar, n_bar = refs
+      q_ref, c_ref, n_ref, m_ref, l_ref = refs[:5]
+      scratch = refs[5:]
+    q_s, c_s, n_s, v_s, q_bar, c_bar, n_bar, done = scratch
+    wg = lax.axis_index("wg")
     tb = lax.axis_index("t")
     h = lax.axis_index("h")
     kv = lax.div(h, jnp.int32(group))
     n = jnp.clip(nv_ref[lax.div(h, jnp.int32(r))], 0, num_c) if bounded else jnp.int32(num_c)
     steps = lax.div(n + (bc - 1), jnp.int32(bc))
 
-    def fetch(k, slot):   # centroid block k and its counts into ring slot ``slot``
-      plgpu.copy_gmem_to_smem(c_ref.at[kv, pl.ds(k * bc, bc)], c_s.at[slot], c_bar.at[slot])
-      plgpu.copy_gmem_to_smem(n_ref.at[kv, pl.ds(k * bc, bc)], n_s.at[slot], n_bar.at[slot])
+    @pl.when(wg < _COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      t0 = (tb * _COMPUTE_WGS + wg) * bt
+      plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0, bt)], q_s.at[wg], q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      j = plgpu.broadcasted_iota(jnp.int32, (bc,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
 
-    plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(tb * bt, bt)], q_s, q_bar.at[0])
-    for i in range(min(stages, c.shape[1] // bc)):   # static starts: none past the array
-      pl.when(i < steps)(functools.partial(fetch, i, i))
-    plgpu.barrier_wait(q_bar.at[0])
-    col = plgpu.broadcasted_iota(jnp.int32, (bt, bc), 1, layout=plgpu.Layout.WGMMA)
+      def step(k, carry):
+        m_i, l_i = carry
+        slot = lax.rem(k, jnp.int32(stages))
+        plgpu.barrier_wait(c_bar.at[slot])
+        plgpu.barrier_wait(n_bar.at[slot])
 
-    def step(k, carry):
-      m_i, l_i = carry
-      slot = lax.rem(k, jnp.int32(stages))
-      plgpu.barrier_wait(c_bar.at[slot])
-      plgpu.barrier_wait(n_bar.at[slot])
+        def mm(acc):
+          plgpu.wgmma(acc, q_s.at[wg], c_s.at[slot].transpose((1, 0)))
+          return acc[...]
+        s = pl.run_scoped(mm, plgpu.ACC((bt, bc), jnp.float32))        # [bt, bc]
+        cv = plgpu.load(n_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        plgpu.barrier_arrive(done.at[slot])
+        ok = cv > 0
+        if bounded:
+          ok = ok & (j + k * bc < n)
+        bias = jnp.where(ok, jnp.log2(jnp.where(ok, cv, 1.0)), cm.MASK_VALUE)   # [bc]
+        s = s * scale2 + lax.broadcast_in_dim(bias, (bt, bc), [1])
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bt, bc), [0]))
+        return m_new, l_i * jnp.exp2(m_i - m_new) + p.sum(axis=1)
 
-      def mm(acc):
-        plgpu.wgmma(acc, q_s, c_s.at[slot].transpose((1, 0)))
-        return acc[...]
-      s = pl.run_scoped(mm, plgpu.ACC((bt, bc), jnp.float32))          # [bt, bc]
-      cv = plgpu.load(n_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      plgpu.commit_smem()          # every thread's reads of the slot done before TMA refills it
-      pl.when(k + stages < steps)(functools.partial(fetch, k + stages, slot))
-      cb = lax.broadcast_in_dim(cv, (bt, bc), [1])
-      if bounded:
-        cb = jnp.where(col + k * bc < n, cb, 0.0)
-      s = jnp.where(cb > 0, s * scale2, cm.MASK_VALUE)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bt, bc), [0]))
-      l_new = l_i * jnp.exp2(m_i - m_new) + (p * cb).sum(axis=1)
-      return m_new, l_new
+      row = plgpu.Layout.WGMMA.reduce(1)
+      m0 = plgpu.layout_cast(jnp.full((bt,), cm.MASK_VALUE, jnp.float32), row)
+      l0 = plgpu.layout_cast(jnp.full((bt,), 0.0, jnp.float32), row)
+      m_i, l_i = lax.fori_loop(0, steps, step, (m0, l0))
+      v_s.at[wg, 0][...] = m_i
+      v_s.at[wg, 1][...] = l_i
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(v_s.at[wg, 0], m_ref.at[h, pl.ds(t0, bt)])
+      plgpu.copy_smem_to_gmem(v_s.at[wg, 1], l_ref.at[h, pl.ds(t0, bt)])
+      plgpu.wait_smem_to_gmem(0)
 
-    row = plgpu.Layout.WGMMA.reduce(1)
-    m0 = plgpu.layout_cast(jnp.full((bt,), cm.MASK_VALUE, jnp.float32), row)
-    l0 = plgpu.layout_cast(jnp.full((bt,), 0.0, jnp.float32), row)
-    m_i, l_i = lax.fori_loop(0, steps, step, (m0, l0))
-    v_s.at[0][...] = m_i
-    v_s.at[1][...] = l_i
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(v_s.at[0], m_ref.at[h, pl.ds(tb * bt, bt)])
-    plgpu.copy_smem_to_gmem(v_s.at[1], l_ref.at[h, pl.ds(tb * bt, bt)])
-    plgpu.wait_smem_to_gmem(0)
+    @pl.when(wg == _COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def fetch(k, slot):   # centroid block k and its counts into ring slot ``slot``
+        plgpu.copy_gmem_to_smem(c_ref.at[kv, pl.ds(k * bc, bc)], c_s.at[slot], c_bar.at[slot])
+        plgpu.copy_gmem_to_smem(n_ref.at[kv, pl.ds(k * bc, bc)], n_s.at[slot], n_bar.at[slot])
+
+      for i in range(min(stages, n_blocks)):   # static starts: none past the array
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+      @pl.loop(0, steps)
+      def _(k):   # refill each slot once both warpgroups are done with it; the last waits drain
+        slot = lax.rem(k, jnp.int32(stages))
+        plgpu.barrier_wait(done.at[slot])
+        pl.when(k + stages < steps)(functools.partial(fetch, k + stages, slot))
 
   out = [jax.ShapeDtypeStruct((hq, tp), jnp.float32)] * 2
   args = (q, c, cnt) + ((nv,) if bounded else ())
-  return plgpu.kernel(
-      body, out_type=out, grid=(seq_tiles, hq), grid_names=("t", "h"),
-      scratch_types=[_smem_tile((bt, d), q.dtype), _smem_tile((stages, bc, d), c.dtype),
-                     plgpu.SMEM((stages, bc), jnp.float32), plgpu.SMEM((2, bt), jnp.float32),
-                     plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=stages),
-                     plgpu.Barrier(num_barriers=stages)],
-      **_compiler(interpret))(*args)
+  scratch = [_smem_tile((_COMPUTE_WGS, bt, d), q.dtype), _smem_tile((stages, bc, d), c.dtype),
+             plgpu.SMEM((stages, bc), jnp.float32), plgpu.SMEM((_COMPUTE_WGS, 2, bt), jnp.float32),
+             plgpu.Barrier(num_barriers=_COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages)]
+  return _kernel(body, out, (tp // (bt * _COMPUTE_WGS), hq), ("t", "h"), scratch, interpret)(*args)
 
 
 def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, splits, bt, bc,
                 stages, interpret):
   """q [Hq, Tp, d]; c [Hkv, Cp, d]; cnt [Hkv, Cp] f32; mt [Hq, Tp] f32 = m + log2 l (BIG on
-  padding tokens).  -> sums [G, splits, Cp] f32 of exp2(min(s - mt, 0)) over the tokens."""
+  padding tokens).  -> sums [G, 2 * splits, Cp] f32 of exp2(s - mt) over the tokens (<= 1 for
+  every valid centroid: no clamp needed; invalid rows are zeroed at the end).
+
+  A program = one centroid block (kept in shared memory) and its share of the group's (head,
+  token block) tiles, dealt alternately to 2 compute warpgroups; each keeps its own TMA ring
+  of query tiles (refilled once all its threads have read a slot: ``commit_smem``)."""
   hq, tp, d = q.shape
   cp = c.shape[1]
   nb = cp // bc
   bounded = nv is not None
   total = r * n_tb
   chunk = cm.cdiv(total, splits)
+  w_n = _COMPUTE_WGS
 
   def body(*refs):
     if bounded:
-      q_ref, c_ref, n_ref, mt_ref, nv_ref, o_ref, q_s, t_s, c_s, n_s, v_s, q_bar, t_bar, c_bar = refs
+      q_ref, c_ref, n_ref, mt_ref, nv_ref, o_ref = refs[:6]
+      scratch = refs[6:]
     else:
-      q_ref, c_ref, n_ref, mt_ref, o_ref, q_s, t_s, c_s, n_s, v_s, q_bar, t_bar, c_bar = refs
+      q_ref, c_ref, n_ref, mt_ref, o_ref = refs[:5]
+      scratch = refs[5:]
+    q_s, t_s, c_s, n_s, v_s, q_bar, t_bar, c_bar = scratch
+    wg = lax.axis_index("wg")
     cb = lax.axis_index("c")
     grp = lax.axis_index("g")
     z = lax.axis_index("z")
@@ -176,61 +222,60 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
     start = z * chunk
     stop = jnp.where(active, jnp.minimum(start + chunk, total), start)
     steps = jnp.maximum(stop - start, 0)
+    my_steps = lax.div(jnp.maximum(steps - wg, 0) + (w_n - 1), jnp.int32(w_n))  # tiles wg, wg+2, ...
 
-    def fetch(k, slot):   # query tile k of this program and its thresholds into ring slot ``slot``
-      it = start + k
+    def fetch(k, b):   # this warpgroup's k-th query tile and its thresholds into slot b
+      it = start + k * w_n + wg
       h = grp * r + lax.div(it, jnp.int32(n_tb))
       t0 = lax.rem(it, jnp.int32(n_tb)) * bt
-      plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0, bt)], q_s.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(mt_ref.at[h, pl.ds(t0, bt)], t_s.at[slot], t_bar.at[slot])
+      plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0, bt)], q_s.at[b], q_bar.at[b])
+      plgpu.copy_gmem_to_smem(mt_ref.at[h, pl.ds(t0, bt)], t_s.at[b], t_bar.at[b])
 
-    @pl.when(active)
+    @pl.when(active & (wg == 0))
     def _():
       plgpu.copy_gmem_to_smem(c_ref.at[kv, pl.ds(cb * bc, bc)], c_s, c_bar.at[0])
       plgpu.copy_gmem_to_smem(n_ref.at[kv, pl.ds(cb * bc, bc)], n_s, c_bar.at[1])
     for i in range(stages):
-      pl.when(i < steps)(functools.partial(fetch, i, i))
-
-    def step(k, acc_sum):
-      slot = lax.rem(k, jnp.int32(stages))
-      plgpu.barrier_wait(q_bar.at[slot])
-      plgpu.barrier_wait(t_bar.at[slot])
-
-      def mm(acc):
-        plgpu.wgmma(acc, c_s, q_s.at[slot].transpose((1, 0)))
-        return acc[...]
-      s = pl.run_scoped(mm, plgpu.ACC((bc, bt), jnp.float32))          # [bc, bt]
-      thr = plgpu.load(t_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      plgpu.commit_smem()          # every thread's reads of the slot done before TMA refills it
-      pl.when(k + stages < steps)(functools.partial(fetch, k + stages, slot))
-      p = jnp.exp2(jnp.minimum(s * scale2 - lax.broadcast_in_dim(thr, (bc, bt), [1]), 0.0))
-      return acc_sum + p
-
-    acc0 = plgpu.layout_cast(jnp.full((bc, bt), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      pl.when(i < my_steps)(functools.partial(fetch, i, wg * stages + i))
 
     @pl.when(active)
     def _():
       plgpu.barrier_wait(c_bar.at[0])
       plgpu.barrier_wait(c_bar.at[1])
-    acc = lax.fori_loop(0, steps, step, acc0)
+
+    def step(k, acc_sum):
+      b = wg * stages + lax.rem(k, jnp.int32(stages))
+      plgpu.barrier_wait(q_bar.at[b])
+      plgpu.barrier_wait(t_bar.at[b])
+
+      def mm(acc):
+        plgpu.wgmma(acc, c_s, q_s.at[b].transpose((1, 0)))
+        return acc[...]
+      s = pl.run_scoped(mm, plgpu.ACC((bc, bt), jnp.float32))          # [bc, bt]
+      thr = plgpu.load(t_s.at[b], layout=plgpu.Layout.WGMMA.reduce(0))
+      plgpu.commit_smem()          # every thread's reads of the slot done before TMA refills it
+      pl.when(k + stages < my_steps)(functools.partial(fetch, k + stages, b))
+      return acc_sum + jnp.exp2(s * scale2 - lax.broadcast_in_dim(thr, (bc, bt), [1]))
+
+    acc0 = plgpu.layout_cast(jnp.full((bc, bt), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    acc = lax.fori_loop(0, my_steps, step, acc0)
     colsum = acc.sum(axis=1)                                           # [bc] over the tokens
     j = plgpu.broadcasted_iota(jnp.int32, (bc,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
     ok = active & (j + cb * bc < n)
     cv = plgpu.load(n_s, layout=plgpu.Layout.WGMMA.reduce(1))
-    v_s[...] = jnp.where(ok & (cv > 0), colsum, 0.0) * (1.0 / (r * (n_tb * bt)))
+    v_s.at[wg][...] = jnp.where(ok & (cv > 0), colsum, 0.0) * (1.0 / (r * (n_tb * bt)))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(v_s, o_ref.at[grp, z, pl.ds(cb * bc, bc)])
+    plgpu.copy_smem_to_gmem(v_s.at[wg], o_ref.at[grp, z * w_n + wg, pl.ds(cb * bc, bc)])
     plgpu.wait_smem_to_gmem(0)
 
   args = (q, c, cnt, mt) + ((nv,) if bounded else ())
-  return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((groups, splits, cp), jnp.float32),
-      grid=(nb, groups, splits), grid_names=("c", "g", "z"),
-      scratch_types=[_smem_tile((stages, bt, d), q.dtype), plgpu.SMEM((stages, bt), jnp.float32),
-                     _smem_tile((bc, d), c.dtype), plgpu.SMEM((bc,), jnp.float32),
-                     plgpu.SMEM((bc,), jnp.float32), plgpu.Barrier(num_barriers=stages),
-                     plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)],
-      **_compiler(interpret))(*args)
+  scratch = [_smem_tile((w_n * stages, bt, d), q.dtype), plgpu.SMEM((w_n * stages, bt), jnp.float32),
+             _smem_tile((bc, d), c.dtype), plgpu.SMEM((bc,), jnp.float32),
+             plgpu.SMEM((w_n, bc), jnp.float32), plgpu.Barrier(num_barriers=w_n * stages),
+             plgpu.Barrier(num_barriers=w_n * stages), plgpu.Barrier(num_barriers=2)]
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((groups, w_n * splits, cp), jnp.float32),
+                      grid=(nb, groups, splits), grid_names=("c", "g", "z"), num_threads=w_n,
+                      thread_name="wg", scratch_types=scratch, **_compiler(interpret))(*args)
 
 
 def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, groups,
@@ -250,7 +295,7 @@ def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, g
                      f"d % 64 == 0; got q {q.dtype} {q.shape}, centroids {centroids.dtype}")
   r = hq // groups
   scale2 = float(scale) * _LOG2E
-  bt_a, bc_a = cfg.stats_block_t, cfg.stats_block_c
+  bt_a, bc_a = 64 * _COMPUTE_WGS, cfg.stats_block_c
   bc_b, bt_b = cfg.score_block_c, cfg.score_block_t
   t_blk = max(bt_a, bt_b)
   tp = cm.cdiv(seq_len, t_blk) * t_blk
@@ -262,7 +307,7 @@ def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, g
   nv = None if n_valid is None else jnp.asarray(n_valid, jnp.int32)
   common = dict(scale2=scale2, group=hq // hkv, r=r, num_c=num_c, interpret=interpret,
                 stages=cfg.stages)
-  m, l = _stats_pass(qp, cpad, cnt, nv, seq_tiles=tp // bt_a, bt=bt_a, bc=bc_a, **common)
+  m, l = _stats_pass(qp, cpad, cnt, nv, bc=bc_a, **common)
   t = jnp.arange(tp)
   ok = (t < seq_len)[None, :] & (l > 0)
   mt = jnp.where(ok, m + jnp.log2(jnp.where(ok, l, 1.0)), _BIG)
