@@ -30,12 +30,10 @@ from pallas_kernels.lookup_mosaic import MosaicLookupConfig, lookup_prefill_scor
 MOSAIC_CONFIGS = [
     MosaicLookupConfig(),
     MosaicLookupConfig(stages=3),
-    MosaicLookupConfig(stats_block_c=64, stages=3),
     MosaicLookupConfig(stats_block_c=256),
+    MosaicLookupConfig(stats_block_c=256, stages=3),
     MosaicLookupConfig(score_block_c=128, score_block_t=64),
     MosaicLookupConfig(score_block_c=128, score_block_t=128),
-    MosaicLookupConfig(score_block_c=64, score_block_t=256),
-    MosaicLookupConfig(score_block_c=64, score_block_t=64, stages=3),
 ]
 
 

@@ -88,6 +88,13 @@ _COMPUTE_WGS = 2     # warpgroups doing wgmma + softmax; one more issues the TMA
 _WG = ("wg",)
 
 
+def _rendezvous(sched):
+  """Both compute warpgroups meet here (FA3's schedule barrier): with warpgroup 1 one meeting
+  ahead, each one's softmax runs while the other's wgmma occupies the tensor cores."""
+  plgpu.barrier_arrive(sched)
+  plgpu.barrier_wait(sched)
+
+
 def _kernel(body, out_type, grid, names, scratch, interpret):
   return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=names,
                       num_threads=_COMPUTE_WGS + 1, thread_name="wg",
@@ -112,7 +119,7 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
     else:
       q_ref, c_ref, n_ref, m_ref, l_ref = refs[:5]
       scratch = refs[5:]
-    q_s, c_s, n_s, v_s, q_bar, c_bar, n_bar, done = scratch
+    q_s, c_s, n_s, v_s, q_bar, c_bar, n_bar, done, sched = scratch
     wg = lax.axis_index("wg")
     tb = lax.axis_index("t")
     h = lax.axis_index("h")
@@ -136,6 +143,7 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
 
         def mm(acc):
           plgpu.wgmma(acc, q_s.at[wg], c_s.at[slot].transpose((1, 0)))
+          _rendezvous(sched)        # the other warpgroup's exp2s run while this wgmma does
           return acc[...]
         s = pl.run_scoped(mm, plgpu.ACC((bt, bc), jnp.float32))        # [bt, bc]
         cv = plgpu.load(n_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -152,7 +160,9 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
       row = plgpu.Layout.WGMMA.reduce(1)
       m0 = plgpu.layout_cast(jnp.full((bt,), cm.MASK_VALUE, jnp.float32), row)
       l0 = plgpu.layout_cast(jnp.full((bt,), 0.0, jnp.float32), row)
+      pl.when(wg == 1)(functools.partial(_rendezvous, sched))
       m_i, l_i = lax.fori_loop(0, steps, step, (m0, l0))
+      pl.when(wg == 0)(functools.partial(_rendezvous, sched))
       v_s.at[wg, 0][...] = m_i
       v_s.at[wg, 1][...] = l_i
       plgpu.commit_smem()
@@ -183,7 +193,8 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
              plgpu.SMEM((stages, bc), jnp.float32), plgpu.SMEM((_COMPUTE_WGS, 2, bt), jnp.float32),
              plgpu.Barrier(num_barriers=_COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages)]
+             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=_COMPUTE_WGS)]
   return _kernel(body, out, (tp // (bt * _COMPUTE_WGS), hq), ("t", "h"), scratch, interpret)(*args)
 
 
@@ -211,7 +222,7 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
     else:
       q_ref, c_ref, n_ref, mt_ref, o_ref = refs[:5]
       scratch = refs[5:]
-    q_s, t_s, c_s, n_s, v_s, q_bar, t_bar, c_bar = scratch
+    q_s, t_s, c_s, n_s, v_s, q_bar, t_bar, c_bar, sched = scratch
     wg = lax.axis_index("wg")
     cb = lax.axis_index("c")
     grp = lax.axis_index("g")
@@ -250,6 +261,7 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
 
       def mm(acc):
         plgpu.wgmma(acc, c_s, q_s.at[b].transpose((1, 0)))
+        _rendezvous(sched)          # the other warpgroup's exp2s run while this wgmma does
         return acc[...]
       s = pl.run_scoped(mm, plgpu.ACC((bc, bt), jnp.float32))          # [bc, bt]
       thr = plgpu.load(t_s.at[b], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -258,7 +270,12 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
       return acc_sum + jnp.exp2(s * scale2 - lax.broadcast_in_dim(thr, (bc, bt), [1]))
 
     acc0 = plgpu.layout_cast(jnp.full((bc, bt), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    pl.when(wg == 1)(functools.partial(_rendezvous, sched))
     acc = lax.fori_loop(0, my_steps, step, acc0)
+    # as many rendezvous on both sides: warpgroup 1 may hold one tile fewer
+    steps0 = lax.div(steps + (w_n - 1), jnp.int32(w_n))
+    pl.loop(0, jnp.where(wg == 1, steps0 - my_steps, 0))(lambda _: _rendezvous(sched))
+    pl.when(wg == 0)(functools.partial(_rendezvous, sched))
     colsum = acc.sum(axis=1)                                           # [bc] over the tokens
     j = plgpu.broadcasted_iota(jnp.int32, (bc,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
     ok = active & (j + cb * bc < n)
@@ -272,7 +289,8 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
   scratch = [_smem_tile((w_n * stages, bt, d), q.dtype), plgpu.SMEM((w_n * stages, bt), jnp.float32),
              _smem_tile((bc, d), c.dtype), plgpu.SMEM((bc,), jnp.float32),
              plgpu.SMEM((w_n, bc), jnp.float32), plgpu.Barrier(num_barriers=w_n * stages),
-             plgpu.Barrier(num_barriers=w_n * stages), plgpu.Barrier(num_barriers=2)]
+             plgpu.Barrier(num_barriers=w_n * stages), plgpu.Barrier(num_barriers=2),
+             plgpu.Barrier(num_arrivals=w_n)]
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((groups, w_n * splits, cp), jnp.float32),
                       grid=(nb, groups, splits), grid_names=("c", "g", "z"), num_threads=w_n,
                       thread_name="wg", scratch_types=scratch, **_compiler(interpret))(*args)
