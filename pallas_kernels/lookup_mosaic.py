@@ -298,7 +298,7 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
 
 def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, groups,
                                  cfg: MosaicLookupConfig = MosaicLookupConfig(), splits=None,
-                                 interpret=False):
+                                 interpret=False, stats_only=False):
   """Eq. 1 scores averaged over the T tokens and the R heads of each group (the contract of
   ``centroid_lookup.lookup_prefill_scores``).
 
@@ -326,6 +326,8 @@ def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, g
   common = dict(scale2=scale2, group=hq // hkv, r=r, num_c=num_c, interpret=interpret,
                 stages=cfg.stages)
   m, l = _stats_pass(qp, cpad, cnt, nv, bc=bc_a, **common)
+  if stats_only:   # pass 1 alone (benchmarks time the passes separately)
+    return m, l
   t = jnp.arange(tp)
   ok = (t < seq_len)[None, :] & (l > 0)
   mt = jnp.where(ok, m + jnp.log2(jnp.where(ok, l, 1.0)), _BIG)
