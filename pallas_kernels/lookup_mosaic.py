@@ -101,8 +101,9 @@ def _kernel(body, out_type, grid, names, scratch, interpret):
                       scratch_types=scratch, **_compiler(interpret))
 
 
-def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret):
-  """q [Hq, Tp, d]; c [Hkv, Cp, d]; cnt [Hkv, Cp] f32 (0 = no part); nv [G] int32 or None.
+def _stats_pass(q, c, bias, nv, *, scale2, group, r, num_c, bc, stages, interpret):
+  """q [Hq, Tp, d]; c [Hkv, Cp, d]; bias [Hkv, Cp] f32 = log2 N (MASK where N = 0);
+  nv [G] int32 or None.
   -> (m, l) [Hq, Tp] f32 with m + log2 l = log2 sum_j N_j exp2(s_tj) (m is a stabiliser
   that includes log2 N: the counts ride in the exponent, one FFMA per logit).
 
@@ -146,12 +147,10 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
           _rendezvous(sched)        # the other warpgroup's exp2s run while this wgmma does
           return acc[...]
         s = pl.run_scoped(mm, plgpu.ACC((bt, bc), jnp.float32))        # [bt, bc]
-        cv = plgpu.load(n_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        bias = plgpu.load(n_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))   # [bc]
         plgpu.barrier_arrive(done.at[slot])
-        ok = cv > 0
         if bounded:
-          ok = ok & (j + k * bc < n)
-        bias = jnp.where(ok, jnp.log2(jnp.where(ok, cv, 1.0)), cm.MASK_VALUE)   # [bc]
+          bias = jnp.where(j + k * bc < n, bias, cm.MASK_VALUE)
         s = s * scale2 + lax.broadcast_in_dim(bias, (bt, bc), [1])
         m_new = jnp.maximum(m_i, s.max(axis=1))
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bt, bc), [0]))
@@ -174,7 +173,7 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def fetch(k, slot):   # centroid block k and its counts into ring slot ``slot``
+      def fetch(k, slot):   # centroid block k and its log2 counts into ring slot ``slot``
         plgpu.copy_gmem_to_smem(c_ref.at[kv, pl.ds(k * bc, bc)], c_s.at[slot], c_bar.at[slot])
         plgpu.copy_gmem_to_smem(n_ref.at[kv, pl.ds(k * bc, bc)], n_s.at[slot], n_bar.at[slot])
 
@@ -188,7 +187,7 @@ def _stats_pass(q, c, cnt, nv, *, scale2, group, r, num_c, bc, stages, interpret
         pl.when(k + stages < steps)(functools.partial(fetch, k + stages, slot))
 
   out = [jax.ShapeDtypeStruct((hq, tp), jnp.float32)] * 2
-  args = (q, c, cnt) + ((nv,) if bounded else ())
+  args = (q, c, bias) + ((nv,) if bounded else ())
   scratch = [_smem_tile((_COMPUTE_WGS, bt, d), q.dtype), _smem_tile((stages, bc, d), c.dtype),
              plgpu.SMEM((stages, bc), jnp.float32), plgpu.SMEM((_COMPUTE_WGS, 2, bt), jnp.float32),
              plgpu.Barrier(num_barriers=_COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
@@ -325,7 +324,8 @@ def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, g
   nv = None if n_valid is None else jnp.asarray(n_valid, jnp.int32)
   common = dict(scale2=scale2, group=hq // hkv, r=r, num_c=num_c, interpret=interpret,
                 stages=cfg.stages)
-  m, l = _stats_pass(qp, cpad, cnt, nv, bc=bc_a, **common)
+  bias = jnp.where(cnt > 0, jnp.log2(jnp.where(cnt > 0, cnt, 1.0)), cm.MASK_VALUE)
+  m, l = _stats_pass(qp, cpad, bias, nv, bc=bc_a, **common)
   if stats_only:   # pass 1 alone (benchmarks time the passes separately)
     return m, l
   t = jnp.arange(tp)
