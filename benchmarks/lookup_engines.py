@@ -14,6 +14,7 @@ in ``block_until_ready``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -25,15 +26,9 @@ import numpy as np
 
 from benchmarks._meta import metadata
 from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, lookup_prefill_scores
-from pallas_kernels.lookup_mosaic import MosaicLookupConfig, lookup_prefill_scores_mosaic
+from pallas_kernels.lookup_mosaic import DEFAULT_MOSAIC, MosaicLookupConfig, lookup_prefill_scores_mosaic
 
-MOSAIC_CONFIGS = [
-    MosaicLookupConfig(),
-    MosaicLookupConfig(stats_block_c=256),
-    MosaicLookupConfig(score_block_c=128, score_block_t=64),
-    MosaicLookupConfig(score_block_c=128, score_block_t=128),
-    MosaicLookupConfig(score_block_c=256, score_block_t=64),
-]
+MOSAIC_CONFIGS = [DEFAULT_MOSAIC, MosaicLookupConfig()]
 
 
 def reference_group0(q, c, n, nv, scale, groups):
@@ -52,6 +47,51 @@ def reference_group0(q, c, n, nv, scale, groups):
   e = jnp.where(valid, jnp.exp(x - mx), 0.0)
   s = e / jnp.sum(e * nn, axis=-1, keepdims=True)
   return jnp.mean(s, axis=(0, 1))
+
+
+def hierarchical_ab(q, scale, groups, reps):
+  """``hierarchical_lookup_prefill`` (level 1 at 1%, its survivors' level-2 children at 5%,
+  candidates compacted, both levels' two passes) with each engine, and cuDNN dense attention
+  over the same context for scale.  A synthetic tree: random level-2 centroids and parents,
+  T1 at the median level-1 score (about half the level-1 clusters survive)."""
+  import dataclasses
+  from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
+  hq, t, d = q.shape
+  hkv, c1n, c2n = 8, LENGTH // 100, LENGTH // 20
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(1), 4)
+  c1 = jax.random.normal(k1, (hkv, c1n, d), jnp.bfloat16) * 0.5
+  c2 = jax.random.normal(k2, (hkv, c2n, d), jnp.bfloat16) * 0.5
+  n2 = jax.random.randint(k3, (hkv, c2n), 1, 40).astype(jnp.int32)
+  parent = jax.random.randint(k4, (hkv, c2n), 0, c1n).astype(jnp.int32)
+  n1 = jax.vmap(lambda p, n: jnp.zeros((c1n,), jnp.int32).at[p].add(n))(parent, n2)
+  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=groups, cfg=dataclasses.replace(
+      DEFAULT_PREFILL, prefill_engine="triton"), backend="pallas")
+  t1 = jnp.median(s1[n1 > 0])
+  t2 = jnp.float32(0.0)
+  out = {"level1_survivors": float(jnp.mean((s1 >= t1)[n1 > 0]))}
+  sels = {}
+  for engine in ("triton", "mosaic"):
+    cfg = dataclasses.replace(DEFAULT_PREFILL, prefill_engine=engine)
+    fn = jax.jit(lambda *a, cfg=cfg: hierarchical_lookup_prefill(*a, scale=scale, config=cfg,
+                                                                 backend="pallas"))
+    sec, (sel, scores, touched) = timed(fn, (q, c1, n1, c2, n2, parent, t1, t2), reps)
+    sels[engine] = (np.asarray(scores), np.asarray(touched))
+    out[engine] = {"seconds": sec, "touched_fraction": float(np.mean(np.asarray(touched)) / (c1n + c2n))}
+    print(f"  hierarchical lookup, {engine}: {sec * 1e3:.3f} ms", flush=True)
+  out["ratio_mosaic_vs_triton"] = out["mosaic"]["seconds"] / out["triton"]["seconds"]
+  out["scores_rel_err"] = rel(sels["mosaic"][0], sels["triton"][0])
+  out["same_candidates"] = bool(np.array_equal(sels["mosaic"][1], sels["triton"][1]))
+  kk = jax.random.normal(k1, (1, LENGTH, hkv, d), jnp.bfloat16)
+  vv = jax.random.normal(k2, (1, LENGTH, hkv, d), jnp.bfloat16)
+  qq = jnp.transpose(q, (1, 0, 2))[None]
+  dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn"))
+  out["cudnn_dense_seconds"], _ = timed(dense, (qq, kk, vv), reps)
+  print(f"  ratio {out['ratio_mosaic_vs_triton']:.3f}, scores rel err {out['scores_rel_err']:.1e}, same "
+        f"candidates {out['same_candidates']}; cuDNN dense {out['cudnn_dense_seconds'] * 1e3:.2f} ms", flush=True)
+  return out
+
+
+LENGTH = 512 * 1024
 
 
 def timed(fn, args, reps):
@@ -82,6 +122,8 @@ def main(argv=None):
   ap.add_argument("--interpret", action="store_true",
                   help="run both engines' kernels in their CPU interpreters (a smoke test, no timing value)")
   args = ap.parse_args(argv)
+  global LENGTH
+  LENGTH = args.length
   hq, hkv, d, groups = 32, 8, 128, 8
   num_c = int(round(0.05 * args.length))
   scale = d ** -0.5
@@ -99,8 +141,9 @@ def main(argv=None):
     nvx = nv if bounded else None
     cols = int(args.bound * num_c) if bounded else num_c
     ref = np.asarray(reference_group0(q, c, n, nvx, scale, groups))
+    tri_cfg = dataclasses.replace(DEFAULT_PREFILL, prefill_engine="triton")
     tri = jax.jit(lambda q, c, n, nv=nvx: lookup_prefill_scores(q, c, n, nv, scale=scale, groups=groups,
-                                                                  cfg=DEFAULT_PREFILL, backend=be))
+                                                                  cfg=tri_cfg, backend=be))
     t_tri, o_tri = timed(tri, (q, c, n), args.reps)
     rows.append(dict(engine="triton", bounded=bounded, config="DEFAULT_PREFILL", seconds=t_tri,
                      tflops=flops(cols) / t_tri / 1e12, rel_err_ref=rel(o_tri[0], ref)))
@@ -114,7 +157,7 @@ def main(argv=None):
             q, c, n, nv, scale=scale, groups=groups, cfg=cfg, interpret=args.interpret))
         t, o = timed(mos, (q, c, n), args.reps)
         stats_only = jax.jit(lambda q, c, n, nv=nvx, cfg=cfg: lookup_prefill_scores_mosaic(
-            q, c, n, nv, scale=scale, groups=groups, cfg=cfg, stats_only=True))
+            q, c, n, nv, scale=scale, groups=groups, cfg=cfg, stats_only=True, interpret=args.interpret))
         t_stats, _ = timed(stats_only, (q, c, n), args.reps)
         row = dict(engine="mosaic", bounded=bounded, config=label, seconds=t, stats_seconds=t_stats,
                    tflops=flops(cols) / t / 1e12, rel_err_ref=rel(o[0], ref),
@@ -127,7 +170,8 @@ def main(argv=None):
         row = dict(engine="mosaic", bounded=bounded, config=label, error=f"{type(e).__name__}: {str(e)[:600]}")
         print(f"  mosaic [{label}] FAILED {row['error'][:300]}", flush=True)
       rows.append(row)
-  res = dict(meta=metadata(), shape=dict(hq=hq, hkv=hkv, d=d, tokens=args.tokens, length=args.length,
+  hier = None if args.interpret else hierarchical_ab(q, scale, groups, args.reps)
+  res = dict(meta=metadata(), hierarchical=hier, shape=dict(hq=hq, hkv=hkv, d=d, tokens=args.tokens, length=args.length,
                                           centroids=num_c, bound=args.bound, dtype="bfloat16"),
              reps=args.reps, timing="median of reps calls, each ending in block_until_ready", rows=rows)
   args.out.mkdir(parents=True, exist_ok=True)

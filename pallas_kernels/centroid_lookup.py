@@ -49,6 +49,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
+from pallas_kernels.lookup_mosaic import (DEFAULT_MOSAIC, MosaicLookupConfig, is_hopper,
+                                          lookup_prefill_scores_mosaic, supported as mosaic_supported)
+
+PREFILL_ENGINES = ("triton", "mosaic", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,12 @@ class CentroidLookupConfig:
     statistics pass of a bounded (compacted level-2) call, their (max, denominator)
     combined after; None = 2.  Unbounded calls always use one.  At 512K / 4K tokens on an
     H200 1, 2 and 4 measured the same (gpu_h200_hierarchical/prefill_splits_994a427).
+  prefill_engine: which kernels run the two prefill passes when compiled: ``"triton"``;
+    ``"mosaic"`` (``lookup_mosaic``: TMA + wgmma with warp-specialised programs, Hopper
+    only, bf16/f16 with d % 64 == 0); ``"auto"`` = Mosaic where it applies on a Hopper GPU,
+    else Triton.  Under ``backend="interpret"`` "auto" interprets the Triton passes and
+    "mosaic" the Mosaic ones (GPU interpret mode).
+  mosaic: the Mosaic passes' tiling (None = ``lookup_mosaic.DEFAULT_MOSAIC``).
   level2_blocks, level2_unroll: centroid blocks per program of the hierarchical
     level-2 decode kernel (a loop, or written out), to overlap the dependent loads
     (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
@@ -87,8 +97,14 @@ class CentroidLookupConfig:
   level2_unroll: bool = False
   score_splits: int | None = None
   stats_splits: int | None = None
+  prefill_engine: str = "triton"
+  mosaic: MosaicLookupConfig | None = None
 
   def __post_init__(self):
+    if self.prefill_engine not in PREFILL_ENGINES:
+      raise ValueError(f"prefill_engine must be one of {PREFILL_ENGINES}, got {self.prefill_engine!r}")
+    if self.mosaic is not None and not isinstance(self.mosaic, MosaicLookupConfig):
+      raise ValueError(f"mosaic must be a MosaicLookupConfig or None, got {self.mosaic!r}")
     cm.check_pow2("block_c", self.block_c)
     cm.check_pow2("block_t", self.block_t)
     cm.check_warps_stages(self.num_warps, self.num_stages)
@@ -112,8 +128,11 @@ _LOG2E = 1.4426950408889634
 # fastest of the tilings swept on an H200 at 512K / 4K tokens (``python -m
 # benchmarks.lookup_sweep``; benchmarks/results/gpu_h200_lookup_sweep/exp2): 5.38 ms against
 # 10.16 ms for the first kernels with one 64 x 128 tiling of both passes.
+# The passes themselves run on the Mosaic GPU kernels on Hopper ("auto"): 0.90x the Triton passes' time
+# for 1 level and 0.96x for a bounded level 2 at that size (benchmarks/results/gpu_h200_mosaic_lookup).
 DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, num_stages=2, tile_acc=True,
-                                       score_block_t=64, score_block_c=128, score_warps=4)
+                                       score_block_t=64, score_block_c=128, score_warps=4,
+                                       prefill_engine="auto")
 
 
 # ----------------------------------------------------------------------------
@@ -474,6 +493,9 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   """
   hq, seq_len, d = q.shape
   hkv, num_c, _ = centroids.shape
+  if _mosaic_engine(cfg, q, centroids, backend):
+    return lookup_prefill_scores_mosaic(q, centroids, counts, n_valid, scale=scale, groups=groups,
+                                        cfg=cfg.mosaic or DEFAULT_MOSAIC, interpret=backend == "interpret")
   r = hq // groups
   dp = cm.padded_head_dim(d)
   bc_a, bt_a, bc_b, bt_b = prefill_block_c(cfg, num_c, seq_len)
@@ -509,6 +531,21 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
       name="centroid_lookup_scores",
   )(q_flat, c_flat, n_flat, m, l, *extra)
   return jnp.sum(avg, axis=1)[:, :num_c]
+
+
+def _mosaic_engine(cfg: CentroidLookupConfig, q, centroids, backend: str) -> bool:
+  """Whether ``lookup_prefill_scores`` runs the Mosaic GPU passes (see ``prefill_engine``)."""
+  ok = mosaic_supported(q.dtype, q.shape[-1]) and centroids.dtype == q.dtype
+  if cfg.prefill_engine == "triton" or (cfg.prefill_engine == "auto" and backend != "pallas"):
+    return False
+  if cfg.prefill_engine == "auto":
+    return ok and is_hopper()
+  if not ok:
+    raise ValueError(f"prefill_engine='mosaic' takes bf16/f16 q and centroids of one dtype with d % 64 == 0;"
+                     f" got q {q.dtype} {q.shape}, centroids {centroids.dtype}; use 'triton' or 'auto'")
+  if backend == "pallas" and not is_hopper():
+    raise ValueError("prefill_engine='mosaic' needs a Hopper GPU (wgmma, TMA); use 'triton' or 'auto'")
+  return True
 
 
 def score_splits(cfg: CentroidLookupConfig, programs: int, tiles: int, bounded: bool) -> int:
