@@ -128,11 +128,11 @@ _LOG2E = 1.4426950408889634
 # fastest of the tilings swept on an H200 at 512K / 4K tokens (``python -m
 # benchmarks.lookup_sweep``; benchmarks/results/gpu_h200_lookup_sweep/exp2): 5.38 ms against
 # 10.16 ms for the first kernels with one 64 x 128 tiling of both passes.
-# The passes themselves run on the Mosaic GPU kernels on Hopper ("auto"): 0.90x the Triton passes' time
-# for 1 level and 0.96x for a bounded level 2 at that size (benchmarks/results/gpu_h200_mosaic_lookup).
+# The Triton passes stay the default: the Mosaic GPU passes measured 0.93x their time for one level,
+# 1.00x for a bounded level 2 and 1.04x for the whole hierarchical lookup at that size
+# (benchmarks/results/gpu_h200_mosaic_lookup).
 DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, num_stages=2, tile_acc=True,
-                                       score_block_t=64, score_block_c=128, score_warps=4,
-                                       prefill_engine="auto")
+                                       score_block_t=64, score_block_c=128, score_warps=4)
 
 
 # ----------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def _stats_pass(q, c, bias, nv, *, scale2, group, r, num_c, bc, stages, interpre
   bounded = nv is not None
   n_blocks = c.shape[1] // bc
 
-  def body(*refs):
+  def lookup_stats_mgpu(*refs):
     if bounded:
       q_ref, c_ref, n_ref, nv_ref, m_ref, l_ref = refs[:6]
       scratch = refs[6:]
@@ -207,7 +207,7 @@ def _stats_pass(q, c, bias, nv, *, scale2, group, r, num_c, bc, stages, interpre
              plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
              plgpu.Barrier(num_arrivals=_COMPUTE_WGS)]
-  return _kernel(body, out, (tp // (bt * _COMPUTE_WGS), hq), ("t", "h"), scratch, interpret)(*args)
+  return _kernel(lookup_stats_mgpu, out, (tp // (bt * _COMPUTE_WGS), hq), ("t", "h"), scratch, interpret)(*args)
 
 
 def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, splits, bt, bc,
@@ -227,7 +227,7 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
   chunk = cm.cdiv(total, splits)
   w_n = _COMPUTE_WGS
 
-  def body(*refs):
+  def lookup_scores_mgpu(*refs):
     if bounded:
       q_ref, c_ref, n_ref, mt_ref, nv_ref, o_ref = refs[:6]
       scratch = refs[6:]
@@ -303,7 +303,7 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
              plgpu.SMEM((w_n, bc), jnp.float32), plgpu.Barrier(num_barriers=w_n * stages),
              plgpu.Barrier(num_barriers=w_n * stages), plgpu.Barrier(num_barriers=2),
              plgpu.Barrier(num_arrivals=w_n)]
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((groups, w_n * splits, cp), jnp.float32),
+  return plgpu.kernel(lookup_scores_mgpu, out_type=jax.ShapeDtypeStruct((groups, w_n * splits, cp), jnp.float32),
                       grid=(nb, groups, splits), grid_names=("c", "g", "z"), num_threads=w_n,
                       thread_name="wg", scratch_types=scratch, **_compiler(interpret))(*args)
 
