@@ -12,12 +12,16 @@ over a block of T query tokens, App. D), base-2 logits ``s = log2(e) * scale * q
   subtraction, an exp2 and an add;
 * pass 2 (scoring), one program per (centroid block, group, split): the centroid block stays
   in shared memory while the program's share of the group's (head, token block) query tiles
-  stream through the ring, dealt alternately to the two compute warpgroups, each summing
-  ``exp2(s - m_t - log2 l_t)`` over the tokens (the tile is [block_c, block_t]: centroids on
-  the wgmma's M side, so the sum over tokens is a row reduction).
+  is dealt alternately to two compute warpgroups, each streaming its tiles through its own TMA
+  ring and summing ``exp2(s - m_t - log2 l_t)`` over the tokens (the tile is
+  [block_c, block_t]: centroids on the wgmma's M side, so the sum over tokens is a row
+  reduction).
 
-While one compute warpgroup runs its exp2s the other's wgmma can run: that overlap, which the
-single-program Triton passes do not get, is the point of these kernels.
+FA3's schedule barrier alternates the two compute warpgroups, so that one's exp2s run while the
+other's wgmma does.  Measured on an H200 (4K tokens over 512K) that overlap did not shorten a
+step: these passes took 0.93x the Triton passes' time for one level, 1.00x for a bounded level 2
+and 1.04x for the whole hierarchical lookup (benchmarks/results/gpu_h200_mosaic_lookup), so
+``CentroidLookupConfig.prefill_engine`` defaults to the Triton passes.
 No [H, C, T] tensor reaches HBM.  The per-column vectors (counts, ``m_t + log2 l_t``) ride
 the same TMA ring as the tiles they belong to.  Requires d % 64 == 0 and bf16 or
 f16 inputs; ``centroid_lookup`` keeps the Triton passes for everything else.
@@ -42,8 +46,8 @@ _BIG = 1e30          # m + log2 l of a padding token: exp2(s - BIG) = 0
 @dataclasses.dataclass(frozen=True)
 class MosaicLookupConfig:
   """Tiling of the Mosaic GPU prefill lookup passes.  Each program runs 2 compute warpgroups
-  (64 tokens each in pass 1; alternate query tiles in pass 2) and one warpgroup that issues
-  the TMA copies.
+  (64 tokens each in pass 1, fed by a third warpgroup that issues the TMA copies; alternate
+  query tiles in pass 2, each warpgroup issuing its own).
 
   stats_block_c: centroids per pass-1 tile ([64 tokens, block_c] per warpgroup).
   score_block_c / score_block_t: centroids x tokens per pass-2 tile.
@@ -90,15 +94,7 @@ def _smem_tile(shape, dtype):
                                               plgpu.SwizzleTransform(swizzle)))
 
 
-def _compiler(interpret):
-  kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
-  if interpret:
-    kw["interpret"] = plgpu.InterpretGPUParams(**(interpret if isinstance(interpret, dict) else {}))
-  return kw
-
-
-_COMPUTE_WGS = 2     # warpgroups doing wgmma + softmax; one more issues the TMA copies
-_WG = ("wg",)
+_COMPUTE_WGS = 2     # warpgroups doing wgmma + softmax (pass 1 adds one that issues the TMA copies)
 
 
 def _rendezvous(sched):
@@ -108,10 +104,12 @@ def _rendezvous(sched):
   plgpu.barrier_wait(sched)
 
 
-def _kernel(body, out_type, grid, names, scratch, interpret):
-  return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=names,
-                      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-                      scratch_types=scratch, **_compiler(interpret))
+def _kernel(body, out_type, grid, names, scratch, *, threads, interpret):
+  """``plgpu.kernel`` with ``threads`` warpgroups named "wg"; GPU interpret mode if asked."""
+  return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=names, num_threads=threads,
+                      thread_name="wg", scratch_types=scratch,
+                      compiler_params=plgpu.CompilerParams(approx_math=True),
+                      interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 
 def _stats_pass(q, c, bias, nv, *, scale2, group, r, num_c, bc, stages, interpret):
@@ -207,7 +205,8 @@ def _stats_pass(q, c, bias, nv, *, scale2, group, r, num_c, bc, stages, interpre
              plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
              plgpu.Barrier(num_arrivals=_COMPUTE_WGS)]
-  return _kernel(lookup_stats_mgpu, out, (tp // (bt * _COMPUTE_WGS), hq), ("t", "h"), scratch, interpret)(*args)
+  return _kernel(lookup_stats_mgpu, out, (tp // (bt * _COMPUTE_WGS), hq), ("t", "h"), scratch,
+                 threads=_COMPUTE_WGS + 1, interpret=interpret)(*args)
 
 
 def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, splits, bt, bc,
@@ -303,9 +302,8 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
              plgpu.SMEM((w_n, bc), jnp.float32), plgpu.Barrier(num_barriers=w_n * stages),
              plgpu.Barrier(num_barriers=w_n * stages), plgpu.Barrier(num_barriers=2),
              plgpu.Barrier(num_arrivals=w_n)]
-  return plgpu.kernel(lookup_scores_mgpu, out_type=jax.ShapeDtypeStruct((groups, w_n * splits, cp), jnp.float32),
-                      grid=(nb, groups, splits), grid_names=("c", "g", "z"), num_threads=w_n,
-                      thread_name="wg", scratch_types=scratch, **_compiler(interpret))(*args)
+  return _kernel(lookup_scores_mgpu, jax.ShapeDtypeStruct((groups, w_n * splits, cp), jnp.float32),
+                 (nb, groups, splits), ("c", "g", "z"), scratch, threads=w_n, interpret=interpret)(*args)
 
 
 def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, groups,
