@@ -49,15 +49,14 @@ def reference_group0(q, c, n, nv, scale, groups):
   return jnp.mean(s, axis=(0, 1))
 
 
-def hierarchical_ab(q, scale, groups, reps):
+def hierarchical_ab(q, length, scale, groups, reps):
   """``hierarchical_lookup_prefill`` (level 1 at 1%, its survivors' level-2 children at 5%,
   candidates compacted, both levels' two passes) with each engine, and cuDNN dense attention
   over the same context for scale.  A synthetic tree: random level-2 centroids and parents,
   T1 at the median level-1 score (about half the level-1 clusters survive)."""
-  import dataclasses
   from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
   hq, t, d = q.shape
-  hkv, c1n, c2n = 8, LENGTH // 100, LENGTH // 20
+  hkv, c1n, c2n = 8, length // 100, length // 20
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(1), 4)
   c1 = jax.random.normal(k1, (hkv, c1n, d), jnp.bfloat16) * 0.5
   c2 = jax.random.normal(k2, (hkv, c2n, d), jnp.bfloat16) * 0.5
@@ -81,17 +80,14 @@ def hierarchical_ab(q, scale, groups, reps):
   out["ratio_mosaic_vs_triton"] = out["mosaic"]["seconds"] / out["triton"]["seconds"]
   out["scores_rel_err"] = rel(sels["mosaic"][0], sels["triton"][0])
   out["same_candidates"] = bool(np.array_equal(sels["mosaic"][1], sels["triton"][1]))
-  kk = jax.random.normal(k1, (1, LENGTH, hkv, d), jnp.bfloat16)
-  vv = jax.random.normal(k2, (1, LENGTH, hkv, d), jnp.bfloat16)
+  kk = jax.random.normal(k1, (1, length, hkv, d), jnp.bfloat16)
+  vv = jax.random.normal(k2, (1, length, hkv, d), jnp.bfloat16)
   qq = jnp.transpose(q, (1, 0, 2))[None]
   dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn"))
   out["cudnn_dense_seconds"], _ = timed(dense, (qq, kk, vv), reps)
   print(f"  ratio {out['ratio_mosaic_vs_triton']:.3f}, scores rel err {out['scores_rel_err']:.1e}, same "
         f"candidates {out['same_candidates']}; cuDNN dense {out['cudnn_dense_seconds'] * 1e3:.2f} ms", flush=True)
   return out
-
-
-LENGTH = 512 * 1024
 
 
 def timed(fn, args, reps):
@@ -122,8 +118,6 @@ def main(argv=None):
   ap.add_argument("--interpret", action="store_true",
                   help="run both engines' kernels in their CPU interpreters (a smoke test, no timing value)")
   args = ap.parse_args(argv)
-  global LENGTH
-  LENGTH = args.length
   hq, hkv, d, groups = 32, 8, 128, 8
   num_c = int(round(0.05 * args.length))
   scale = d ** -0.5
@@ -170,7 +164,7 @@ def main(argv=None):
         row = dict(engine="mosaic", bounded=bounded, config=label, error=f"{type(e).__name__}: {str(e)[:600]}")
         print(f"  mosaic [{label}] FAILED {row['error'][:300]}", flush=True)
       rows.append(row)
-  hier = None if args.interpret else hierarchical_ab(q, scale, groups, args.reps)
+  hier = None if args.interpret else hierarchical_ab(q, args.length, scale, groups, args.reps)
   res = dict(meta=metadata(), hierarchical=hier, shape=dict(hq=hq, hkv=hkv, d=d, tokens=args.tokens, length=args.length,
                                           centroids=num_c, bound=args.bound, dtype="bfloat16"),
              reps=args.reps, timing="median of reps calls, each ending in block_until_ready", rows=rows)

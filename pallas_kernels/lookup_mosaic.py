@@ -104,6 +104,13 @@ def _rendezvous(sched):
   plgpu.barrier_wait(sched)
 
 
+def _split_refs(refs, n_in, n_out, bounded):
+  """A kernel's refs -> (inputs, n_valid ref or None, outputs, scratch); n_valid is the last
+  input of a bounded call."""
+  k = n_in + int(bounded)
+  return refs[:n_in], (refs[n_in] if bounded else None), refs[k:k + n_out], refs[k + n_out:]
+
+
 def _kernel(body, out_type, grid, names, scratch, *, threads, interpret):
   """``plgpu.kernel`` with ``threads`` warpgroups named "wg"; GPU interpret mode if asked."""
   return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=names, num_threads=threads,
@@ -125,12 +132,7 @@ def _stats_pass(q, c, bias, nv, *, scale2, group, r, num_c, bc, stages, interpre
   n_blocks = c.shape[1] // bc
 
   def lookup_stats_mgpu(*refs):
-    if bounded:
-      q_ref, c_ref, n_ref, nv_ref, m_ref, l_ref = refs[:6]
-      scratch = refs[6:]
-    else:
-      q_ref, c_ref, n_ref, m_ref, l_ref = refs[:5]
-      scratch = refs[5:]
+    (q_ref, c_ref, n_ref), nv_ref, (m_ref, l_ref), scratch = _split_refs(refs, 3, 2, bounded)
     q_s, c_s, n_s, v_s, q_bar, c_bar, n_bar, done, sched = scratch
     wg = lax.axis_index("wg")
     tb = lax.axis_index("t")
@@ -227,12 +229,7 @@ def _score_pass(q, c, cnt, mt, nv, *, scale2, r, group, num_c, groups, n_tb, spl
   w_n = _COMPUTE_WGS
 
   def lookup_scores_mgpu(*refs):
-    if bounded:
-      q_ref, c_ref, n_ref, mt_ref, nv_ref, o_ref = refs[:6]
-      scratch = refs[6:]
-    else:
-      q_ref, c_ref, n_ref, mt_ref, o_ref = refs[:5]
-      scratch = refs[5:]
+    (q_ref, c_ref, n_ref, mt_ref), nv_ref, (o_ref,), scratch = _split_refs(refs, 4, 1, bounded)
     q_s, t_s, c_s, n_s, v_s, q_bar, t_bar, c_bar, sched = scratch
     wg = lax.axis_index("wg")
     cb = lax.axis_index("c")

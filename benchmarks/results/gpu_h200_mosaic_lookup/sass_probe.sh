@@ -2,6 +2,9 @@
 # Compile the Mosaic GPU lookup passes once (4K tokens over 512K) with Mosaic's PTX / ptxas dumps on
 # (MOSAIC_GPU_DUMP_SASS=1 wrote no SASS file on the H200 of 2026-11-23); count each kernel's PTX
 # instructions into $1/ptx_summary.txt and keep the dumps (without the MLIR pass logs) in $1/dump.tgz.
+# ptx_26086f4/ came from the first version of this script (same compile and dump flags), which
+# tarred the whole dump and tried to summarise SASS that was never written; its PTX, ptxas and
+# resource files were copied out of that tarball by hand.
 mkdir -p "$1/dump"
 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$1/dump" \
   python -c "
