@@ -73,9 +73,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _attention_core as core
 from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
-from pallas_kernels.clustered_stream import (attend_balanced, block_selection, clipped_ranges,
-                                             empty_carry, head_stats, new_part, stats_mask,
-                                             store_partial, virtual_rows)
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, centroid_lookup_prefill,
                                             centroid_lookup_reference, lookup_decode_raw)
 from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
@@ -88,7 +85,6 @@ __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention
            "clustered_prefill_attention_reference"]
 
 MAX_VOTE_Q_GROUP = 30     # vote="q" keeps one bit per query head of a group in an int32
-ENGINES = ("clusters", "balanced")   # kernel B as one launch / as selection + balanced streaming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +110,6 @@ class ClusteredConfig:
     per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
     devices (``clustered_decode_partial(reduce_stats=...)``).
-  engine: ``"clusters"``: kernel B as one launch, a program per ``block_clusters``
-    clusters selecting and streaming them; ``"balanced"`` (vote "kv" only): a selection
-    kernel writing each KV head's selected rows as a compact index list per block of
-    ``select_clusters`` clusters, then ``stream_programs`` programs per KV head streaming
-    equal shares of those rows (``clustered_stream``).
-  select_clusters, stream_programs, select_warps: the balanced engine's tiling (its
-    streaming kernel uses ``block_k``, ``num_warps``, ``num_stages``).
   """
   # block_c and num_stages: the fastest of 38 tilings timed by kernel time on an H200
   # (benchmarks/results/gpu_h200_decode_stages): a third pipeline stage takes the attention
@@ -144,10 +133,6 @@ class ClusteredConfig:
   score_stages: int = 2
   target_programs: int = 1536
   reduce_stats_first: bool = False
-  engine: str = "clusters"
-  select_clusters: int = 1024
-  stream_programs: int = 48
-  select_warps: int = 4
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -175,15 +160,6 @@ class ClusteredConfig:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     if not isinstance(self.target_programs, int) or self.target_programs < 1:
       raise ValueError(f"target_programs must be a positive int, got {self.target_programs!r}")
-    if self.engine not in ENGINES:
-      raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-    sc = self.select_clusters
-    if not isinstance(sc, int) or sc < self.sub_clusters or sc % self.sub_clusters:
-      raise ValueError(f"select_clusters must be a positive multiple of sub_clusters="
-                       f"{self.sub_clusters}, got {sc!r}")
-    if not isinstance(self.stream_programs, int) or self.stream_programs < 1:
-      raise ValueError(f"stream_programs must be a positive int, got {self.stream_programs!r}")
-    cm.check_warps_stages(self.select_warps, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +215,6 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
     bc = max(bcs, min(bc, 1024, cpow))
   n_cb = cm.cdiv(num_c, bc)
   cx = max(n_a * score_blocks * block_c, n_cb * bc)
-  if cfg.engine == "balanced":   # the selection kernel's blocks read the logits too
-    cx = max(cx, cm.cdiv(num_c, cfg.select_clusters) * cfg.select_clusters)
   bk = cfg.block_k
   if num_s:
     if cfg.chunk_new is not None:
@@ -261,6 +235,16 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
+def _clipped_ranges(offs_ref, kv, c, valid, *, num_c, num_l):
+  """(lo, count) of clusters ``c`` of KV head ``kv``; offsets clipped to [0, L]."""
+  base = kv * (num_c + 1)
+  lo = cm.gather_vec(offs_ref, base + c, valid, other=0)
+  hi = cm.gather_vec(offs_ref, base + c + 1, valid, other=0)
+  lo = jnp.clip(lo, 0, num_l)
+  hi = jnp.clip(hi, 0, num_l)
+  return lo, jnp.maximum(hi - lo, 0)
+
+
 def _score_kernel(q_ref,      # [Hq, dp]
                   c_ref,      # [Hkv * C, dp]
                   offs_ref,   # [Hkv * (C + 1)] int32
@@ -281,7 +265,7 @@ def _score_kernel(q_ref,      # [Hq, dp]
     cb = sp * p.score_blocks + b
     j = cb * p.block_c + jnp.arange(p.block_c, dtype=jnp.int32)
     jv = j < p.num_c
-    _, cnt = clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
+    _, cnt = _clipped_ranges(offs_ref, kv, j, jv, num_c=p.num_c, num_l=p.num_l)
     valid = jv & (cnt > 0)
     c = cm.gather_rows(c_ref, kv * p.num_c + j, p.dp, valid)          # [Bc, dp]
     if exact_dot:
@@ -317,9 +301,9 @@ def _attn_kernel(thr_ref,      # [1] f32
                  *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
                  p: _Plan, scale, return_stats):
   refs = list(refs)
-  new_refs = None
   if p.num_s:
-    new_refs, refs = refs[:3], refs[3:]
+    kn_ref, vn_ref, kvpos_ref = refs[:3]
+    refs = refs[3:]
   sel_ref = refs.pop(0) if return_stats else None
   o_ref, m_ref, l_ref = refs
   vote_q = p.vote == "q"
@@ -330,10 +314,31 @@ def _attn_kernel(thr_ref,      # [1] f32
   hv = hr < p.g
   q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
   jj = jnp.arange(p.block_k, dtype=i32)
-  carry = empty_carry(p)
+  carry = (jnp.zeros((p.rp, p.dp), jnp.float32),
+           jnp.full((p.rp,), cm.MASK_VALUE, jnp.float32),
+           jnp.zeros((p.rp,), jnp.float32))
+
   # --- the new part (user input), causal by position -------------------------------
   if p.num_s:
-    carry = new_part(carry, q, *new_refs, qpos_ref, kv=kv, prog=prog, p=p, scale=scale)
+    is_new = prog < p.n_new
+    new_lo = prog * p.chunk_new
+    new_hi = jnp.minimum(new_lo + p.chunk_new, p.num_s)
+    q_pos = qpos_ref[0]
+    n_new_tiles = jnp.where(is_new, cm.kcdiv(jnp.maximum(new_hi - new_lo, 0), p.block_k),
+                            i32(0)).astype(i32)
+
+    def new_body(it, carry):
+      j = new_lo + it * p.block_k + jj
+      jv = j < new_hi
+      kp = cm.gather_vec(kvpos_ref, j, jv, other=-1)
+      vis = jv & (kp >= 0) & (kp <= q_pos)
+      rows = kv * p.num_s + j
+      kt = cm.gather_rows(kn_ref, rows, p.dp, vis)
+      vt = cm.gather_rows(vn_ref, rows, p.dp, vis)
+      mask = jnp.broadcast_to(vis[None, :], (p.rp, p.block_k))
+      return core._online_update(carry, q, kt, vt, mask, scale)
+
+    carry = lax.fori_loop(i32(0), n_new_tiles, new_body, carry)
 
   # --- fixed context: exact-part programs and cluster programs ----------------------
   ex_i = prog - p.n_new
@@ -347,7 +352,14 @@ def _attn_kernel(thr_ref,      # [1] f32
   ex_n = jnp.clip(jnp.minimum(ex_total - ex_i * ex_chunk, ex_chunk), 0, p.num_l)
 
   # Global softmax statistics of this group's heads (cluster programs only).
-  big_m, inv_den = head_stats(ms_ref, stats_mask(p, hv, is_cl), ls_ref, kv, p, hv)
+  cols = jnp.arange(p.n_sa, dtype=i32)
+  smask = hv[:, None] & (cols < p.n_sv)[None, :] & is_cl
+  ms = plgpu.load(ms_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask,
+                  other=cm.MASK_VALUE)                                 # [rp, nSA]
+  ls = plgpu.load(ls_ref.at[kv, pl.ds(0, p.rp), pl.ds(0, p.n_sa)], mask=smask, other=0.0)
+  big_m = jnp.max(ms, axis=1)                                          # [rp]
+  den = jnp.sum(jnp.where(smask, ls * jnp.exp(ms - big_m[:, None]), 0.0), axis=1)
+  inv_den = jnp.where(hv & (den > 0), 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
   thr = thr_ref[0]
   all_bits = (1 << p.g) - 1 if vote_q else 1
   head_bit = jnp.left_shift(i32(1), hr)                                # [rp]
@@ -357,12 +369,23 @@ def _attn_kernel(thr_ref,      # [1] f32
 
   def sub_body(sb, carry):
     c0 = cl_i * p.bc + sb * p.bcs
-    cv = is_cl & (c0 + slot < p.num_c)
-    lo, cnt, sel, selh = block_selection(x_ref, offs_ref, kv, c0, cv, big_m, inv_den, thr, p, hv)
+    c = c0 + slot
+    cv = is_cl & (c < p.num_c)
+    lo, cnt = _clipped_ranges(offs_ref, kv, c, cv, num_c=p.num_c, num_l=p.num_l)
+    valid = cv & (cnt > 0)
+    xmask = hv[:, None] & valid[None, :]
+    # loaded by index (kernel A wrote MASK for empty clusters), so the load does not wait for
+    # the offsets: 1-3 us less at 512K (gpu_h200_decode_stages/ab_index_loads.json)
+    x = plgpu.load(x_ref.at[kv, pl.ds(0, p.rp), pl.ds(c0, p.bcs)], mask=hv[:, None] & cv[None, :],
+                   other=cm.MASK_VALUE)                                # [rp, Bcs]
+    s = jnp.where(xmask, jnp.exp(x - big_m[:, None]) * inv_den[:, None], 0.0)
     if vote_q:
+      selh = xmask & (s > thr)                                         # [rp, Bcs]
       bits = jnp.sum(jnp.where(selh, head_bit[:, None], 0), axis=0)   # [Bcs]
       sel = bits != 0
     else:
+      vsum = jnp.sum(s, axis=0) * (1.0 / p.g)                          # group mean
+      sel = valid & (vsum > thr)
       bits = jnp.where(sel, i32(1), i32(0))
     if return_stats:
       if vote_q:
@@ -389,7 +412,11 @@ def _attn_kernel(thr_ref,      # [1] f32
         rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
         mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
       else:
-        row = virtual_rows(j, vstart, delta)
+        # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
+        # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
+        # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
+        row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
+                                    jnp.iinfo(jnp.int32).min), axis=1)
         mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
       # in bounds whatever the offsets hold (well-formed offsets never need the clip)
       rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
@@ -401,7 +428,10 @@ def _attn_kernel(thr_ref,      # [1] f32
     return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
   carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
-  store_partial(o_ref, m_ref, l_ref, carry, kv, prog, hv, p.rp)
+  o, m, l = carry
+  plgpu.store(o_ref.at[kv, prog, pl.ds(0, p.rp), :], o, mask=hv[:, None])
+  plgpu.store(m_ref.at[kv, prog, pl.ds(0, p.rp)], m, mask=hv)
+  plgpu.store(l_ref.at[kv, prog, pl.ds(0, p.rp)], l, mask=hv)
 
 
 # ----------------------------------------------------------------------------
@@ -451,9 +481,6 @@ def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q
                  kv_pos_new, *, scale, return_stats, cfg: ClusteredConfig, backend):
   """Kernel B.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials,
   sel (int32 [Hkv, Cx] or [Hkv, g, Cx] for vote "q") | None)."""
-  if cfg.engine == "balanced":
-    return attend_balanced(p, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos, kv_pos_new,
-                           scale=scale, return_stats=return_stats, cfg=cfg, backend=backend)
   hkv, num_l, _ = k.shape
   num_s = k_new.shape[1]
   dp = p.dp
