@@ -66,6 +66,8 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             saap_attention, saap_attention_reference, sparse_attention,
                             sparse_attention_reference)
 from pallas_kernels import clustered_attention as clat
+from pallas_kernels.centroid_lookup import DEFAULT_PREFILL
+from pallas_kernels.lookup_mosaic import is_hopper, supported as mosaic_supported
 from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
                                              gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
@@ -256,6 +258,11 @@ def _run_check(log, results: list, name: str, fn, tol: float) -> None:
   results.append(rec)
 
 
+def _mosaic_applies(backend: str, d: int) -> bool:
+  """The Mosaic GPU lookup passes run compiled on a Hopper GPU with d % 64 == 0 (bf16 checks)."""
+  return backend == "pallas" and mosaic_supported(BF16, d) and is_hopper()
+
+
 def run_checks(plan: Plan, log) -> list[dict]:
   if plan.checks == "none":
     return []
@@ -270,13 +277,13 @@ def run_checks(plan: Plan, log) -> list[dict]:
 
   check = functools.partial(_run_check, log, results)
 
-  def lookup_case(vote, prefill):
+  def lookup_case(vote, prefill, config=None):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     q = x["q"] if prefill else x["q"][:, 0]
     _, ref = centroid_lookup_reference(q, x["cent"], x["ccnt"], 0.0, scale=scale, vote=vote)
     thr = np.float32(np.quantile(np.asarray(ref)[np.asarray(ref) > 0], 0.8))
     f = centroid_lookup_prefill if prefill else centroid_lookup_decode
-    sel, sc = f(q, x["cent"], x["ccnt"], thr, scale=scale, vote=vote, backend=be)
+    sel, sc = f(q, x["cent"], x["ccnt"], thr, scale=scale, vote=vote, backend=be, config=config)
     far = np.abs(np.asarray(ref) - thr) > 1e-3 * float(np.max(ref))
     flips = int(np.sum((np.asarray(sel) != (np.asarray(ref) > thr)) & far))
     err = rel_err(sc, ref)
@@ -304,7 +311,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
         err = max(err, float(np.abs(a[s_, :upto[s_]] - b[s_, :upto[s_]]).max(initial=0.0)))
     return err, {"rows_live": int(np.asarray(n).sum()), "cap_p": int(ko.shape[1])}
 
-  def hier_case(vote, prefill, parent_major):
+  def hier_case(vote, prefill, parent_major, config=None):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     c1n = max(2, num_c // 5)
     parent = rng.integers(0, c1n, size=(hkv, num_c))
@@ -315,7 +322,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
     t1 = np.float32(0.5 / c1n)
     args = (q, c1, n1, x["cent"], x["ccnt"], parent, t1, np.float32(1.0 / num_c))
     f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
-    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be)
+    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be, config=config)
     rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
     touched_diff = int(np.abs(np.asarray(nt) - np.asarray(rnt)).max())
     return rel_err(sc, rsc), {"n_touched_max_diff": touched_diff}
@@ -364,6 +371,12 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("centroid_lookup_decode vote=q", lambda: lookup_case("q", False), tl)
     check("sparse_attention decode Hs=Hq", lambda: attn_case(1, hq, False), ta)
     check("sparse_attention prefill Hs=Hq", lambda: attn_case(seq_len, hq, False), ta)
+  if plan.checks == "full" and _mosaic_applies(be, d):
+    # the opt-in Mosaic GPU prefill passes (CentroidLookupConfig(prefill_engine="mosaic"))
+    mos = dataclasses.replace(DEFAULT_PREFILL, prefill_engine="mosaic")
+    check("centroid_lookup_prefill vote=kv, Mosaic GPU passes", lambda: lookup_case("kv", True, mos), tl)
+    check("hierarchical_lookup_prefill vote=kv, Mosaic GPU passes",
+          lambda: hier_case("kv", True, True, mos), tl)
   if plan.checks in ("full", "smoke"):
     check("hierarchical_lookup_prefill vote=kv parent-major", lambda: hier_case("kv", True, True), tl)
     check("hierarchical_lookup_prefill vote=q", lambda: hier_case("q", True, False), tl)
