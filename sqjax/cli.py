@@ -128,9 +128,10 @@ def cmd_index(args) -> int:
     extra = {}
     if args.method in ("squeezed", "hsqueezed"):
         extra["n_sink"] = args.n_sink
+    if args.method in ("squeezed", "hsqueezed", "saap"):
         extra["deterministic_build"] = args.deterministic
     elif args.deterministic:
-        raise SqjaxError(f"--deterministic is for squeezed and hsqueezed (k-means); {args.method} builds without it")
+        raise SqjaxError(f"--deterministic is for squeezed, hsqueezed and saap (k-means); {args.method} builds without it")
     if args.method == "saap" and args.probes:
         extra["probes"] = args.probes
     method = make_method(args.method, args.sparsity, args.budget, **extra)
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--probes", type=int, default=None, help="saap: buckets visited per query")
     i.add_argument("--n-sink", type=int, default=0, help="squeezed: attention-sink tokens kept exactly")
     i.add_argument("--deterministic", action="store_true",
-                   help="squeezed: bit-identical index on GPU from the same document (clustering 1.3-2.2x slower, measured 128K-512K)")
+                   help="squeezed, hsqueezed, saap: bit-identical index on GPU from the same document (k-means 1.3-2.2x slower, measured 128K-512K)")
     i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
     i.set_defaults(fn=cmd_index)

@@ -354,6 +354,7 @@ class Saap(Method):
     classifier: str | None = None
     kmeans_iters: int = 10
     seed: int = 0
+    deterministic_build: bool = False   # GPU: bit-identical k-means buckets from the same document and seed
 
     def __post_init__(self):
         super().__post_init__()
@@ -381,7 +382,8 @@ class Saap(Method):
             unit = assigner.unit_centroids  # [layers, Hkv, C, d] trained offline
             c = unit.shape[2]
         else:
-            km = [spherical_kmeans(data.k_pre[i], KMeansConfig(c, self.kmeans_iters, seed=self.seed + i))
+            km = [spherical_kmeans(data.k_pre[i], KMeansConfig(c, self.kmeans_iters, seed=self.seed + i,
+                                                               deterministic=self.deterministic_build))
                   for i in range(data.n_layers)]
             unit = jnp.stack([r.unit_centroids for r in km])
         labels = jnp.stack([saap.assign_keys(data.k_pre[i], unit[i]) for i in range(data.n_layers)])

@@ -350,7 +350,8 @@ def cluster_counts(cfg: squeezed.SqueezedConfig, length: int, n_ctx: int) -> tup
 
 @functools.lru_cache(maxsize=None)
 def _cluster_fn(mesh: Mesh, n_ctx: int, hkv: int, slice_len: int, c2: int, c1: int, n_sink: int, n_obs: int,
-                iters: int, chunk: int):
+                iters: int, chunk: int, deterministic: bool = False):
+    from sqjax.kmeans import DETERMINISTIC
     from sqjax.masked_kmeans import level_up, masked_spherical_kmeans
 
     def body(k, seed, layer0):  # k [G, Hkv_loc, Ls, d] on one device
@@ -375,7 +376,8 @@ def _cluster_fn(mesh: Mesh, n_ctx: int, hkv: int, slice_len: int, c2: int, c1: i
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(kv_spec(True), P(), P()), out_specs=_layer_specs(1),
                       check_vma=False)
-    return jax.jit(f)
+    # deterministic: scatter-adds without atomics on GPU (SqueezedConfig.deterministic_build)
+    return jax.jit(f, compiler_options=DETERMINISTIC if deterministic else None)
 
 
 def cluster_sharded(k, cfg: squeezed.SqueezedConfig, mesh: Mesh, *, layers_per_group: int | None = None
@@ -396,7 +398,8 @@ def cluster_sharded(k, cfg: squeezed.SqueezedConfig, mesh: Mesh, *, layers_per_g
     ls, _ = _shard_sizes(length, n_ctx, cfg.n_sink, cfg.n_obs)
     k = _put(k, kv_sharding(mesh))
     chunk = 4096
-    fn = _cluster_fn(mesh, n_ctx, hkv, ls, c2, c1, cfg.n_sink, cfg.n_obs, cfg.kmeans_iters, chunk)
+    fn = _cluster_fn(mesh, n_ctx, hkv, ls, c2, c1, cfg.n_sink, cfg.n_obs, cfg.kmeans_iters, chunk,
+                     cfg.deterministic_build)
     # Layers in groups whose per-device similarity blocks stay under ~1 GB.
     per_layer = 4 * (hkv // n_heads) * (min(chunk, ls) * c2 + 2 * ls * d)
     group = max(1, min(n_layers, (1 << 30) // max(per_layer, 1)))

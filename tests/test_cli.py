@@ -58,7 +58,8 @@ def test_index_then_ask_json(capsys, model_dir, doc_file, tmp_path):
     assert code == 0 and "KV budget" in out
 
 
-@pytest.mark.parametrize("method,extra", [("quest", ()), ("snapkv", ()), ("saap", ()), ("hsqueezed", ("--deterministic",))])
+@pytest.mark.parametrize("method,extra", [("quest", ()), ("snapkv", ()), ("saap", ("--deterministic",)),
+                                          ("hsqueezed", ("--deterministic",))])
 def test_index_other_methods(capsys, model_dir, doc_file, tmp_path, method, extra):
     code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
                           "--method", method, "--json", *extra)
@@ -97,7 +98,7 @@ def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
 
     code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "q.sqx"), "--model", model_dir,
                         "--method", "quest", "--deterministic")
-    assert code != 0 and "--deterministic is for squeezed and hsqueezed" in _error_line(err)
+    assert code != 0 and "--deterministic is for squeezed, hsqueezed and saap" in _error_line(err)
 
     with pytest.raises(SystemExit) as e:  # argparse rejects an unknown method by name
         main(["index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--method", "magic"])

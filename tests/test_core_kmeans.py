@@ -183,3 +183,39 @@ def test_squeezed_deterministic_build_reaches_the_clustering(rng, monkeypatch):
     assert used == ["_spherical_kmeans_det", "level_up_deterministic"]
     for f in ("labels", "centroids", "parent", "centroids1"):
         np.testing.assert_array_equal(np.asarray(getattr(idx[0].layers, f)), np.asarray(getattr(idx[1].layers, f)))
+
+
+def test_saap_deterministic_build_reaches_the_clustering(rng, monkeypatch):
+    """`Saap(deterministic_build=True)` clusters its buckets through the deterministic program;
+    the buckets equal the default build's here (CPU)."""
+    from sqjax import kmeans
+    from sqjax.methods import ContextData, Saap
+
+    used = _spy(monkeypatch, (kmeans, "_spherical_kmeans_det"))
+    k = jnp.asarray(rng.normal(size=(2, 2, 600, 16)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(2, 4, 100, 16)).astype(np.float32))
+    data = ContextData(k, k, q, k_pre=k, scale=0.25)
+    idx = [Saap(n_buckets=12, deterministic_build=det).build(data)[0] for det in (False, True)]
+    assert used == ["_spherical_kmeans_det"] * 2                       # one per layer, only when asked
+    for f in ("unit", "labels", "off", "lst"):
+        np.testing.assert_array_equal(np.asarray(idx[0][f]), np.asarray(idx[1][f]))
+
+
+def test_sharded_deterministic_build_compiles_deterministic(rng):
+    """The per-device clustering of `sharding.cluster_sharded` is compiled with deterministic
+    scatter-adds when `SqueezedConfig(deterministic_build=True)`; same clusters here (CPU)."""
+    from sqjax import kmeans, sharding, squeezed
+
+    mesh = sharding.make_mesh(1, 1)
+    k = jnp.asarray(rng.normal(size=(1, 2, 640, 16)).astype(np.float32))
+    out = []
+    for det in (False, True):
+        cfg = squeezed.SqueezedConfig(centroid_fraction=0.05, n_obs=64, kmeans_iters=4, deterministic_build=det)
+        out.append(sharding.cluster_sharded(k, cfg, mesh))
+        c2, c1 = sharding.cluster_counts(cfg, 640, 1)
+        ls, _ = sharding._shard_sizes(640, 1, cfg.n_sink, cfg.n_obs)
+        fn = sharding._cluster_fn(mesh, 1, 2, ls, c2, c1, cfg.n_sink, cfg.n_obs, cfg.kmeans_iters, 4096, det)
+        opts = dict(fn._jit_info.compiler_options_kvs or ())
+        assert opts == (kmeans.DETERMINISTIC if det else {})
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
