@@ -27,7 +27,8 @@ _EPS = 1e-12
 # so two builds of one document give slightly different clusters; with deterministic ops the same
 # inputs and seed give a bit-identical index, at 1.3-2.2x the build time (128K-512K, measured on an H200:
 # benchmarks/results/gpu_h200_deterministic_build/).  jax takes compiler_options only on a
-# top-level jit, so inside a caller's jit (the sharded builds) the plain programs run.
+# top-level jit, so inside a caller's jit the plain programs run; the sharded build puts these
+# options on its own top-level jit (`sharding._cluster_fn`).
 DETERMINISTIC = {"xla_gpu_deterministic_ops": True}
 
 

@@ -330,7 +330,8 @@ class SqueezedConfig:
     capacity_fraction: static retrieval capacity as a fraction of clustered keys; None = from
                        calibration (1.5 × the largest per-head fraction seen, + 5 points).
     deterministic_build: k-means with deterministic scatter-adds: on GPU the same document and
-                       seed then give a bit-identical index, at 1.3-2.2x the clustering time (128K-512K).
+                       seed then give a bit-identical index, at 1.3-2.2x the clustering time (128K-512K);
+                       the sharded build (`sharding.cluster_sharded`) honours it too.
     """
 
     sparsity: float = 0.9
