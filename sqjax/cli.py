@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--probes", type=int, default=None, help="saap: buckets visited per query")
     i.add_argument("--n-sink", type=int, default=0, help="squeezed: attention-sink tokens kept exactly")
     i.add_argument("--deterministic", action="store_true",
-                   help="squeezed, hsqueezed, saap: bit-identical index on GPU from the same document (k-means 1.3-2.2x slower, measured 128K-512K)")
+                   help="squeezed, hsqueezed, saap: bit-identical index on GPU from the same document (k-means 1.2-2.2x slower, measured 128K-512K)")
     i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
     i.set_defaults(fn=cmd_index)
