@@ -66,8 +66,7 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             saap_attention, saap_attention_reference, sparse_attention,
                             sparse_attention_reference)
 from pallas_kernels import clustered_attention as clat
-from pallas_kernels.centroid_lookup import DEFAULT_PREFILL
-from pallas_kernels.lookup_mosaic import is_hopper, supported as mosaic_supported
+from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, mosaic_applies
 from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
                                              gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
@@ -258,11 +257,6 @@ def _run_check(log, results: list, name: str, fn, tol: float) -> None:
   results.append(rec)
 
 
-def _mosaic_applies(backend: str, d: int) -> bool:
-  """The Mosaic GPU lookup passes run compiled on a Hopper GPU with d % 64 == 0 (bf16 checks)."""
-  return backend == "pallas" and mosaic_supported(BF16, d) and is_hopper()
-
-
 def run_checks(plan: Plan, log) -> list[dict]:
   if plan.checks == "none":
     return []
@@ -371,7 +365,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("centroid_lookup_decode vote=q", lambda: lookup_case("q", False), tl)
     check("sparse_attention decode Hs=Hq", lambda: attn_case(1, hq, False), ta)
     check("sparse_attention prefill Hs=Hq", lambda: attn_case(seq_len, hq, False), ta)
-  if plan.checks == "full" and _mosaic_applies(be, d):
+  if plan.checks == "full" and mosaic_applies(BF16, d, be):
     # the opt-in Mosaic GPU prefill passes (CentroidLookupConfig(prefill_engine="mosaic"))
     mos = dataclasses.replace(DEFAULT_PREFILL, prefill_engine="mosaic")
     check("centroid_lookup_prefill vote=kv, Mosaic GPU passes", lambda: lookup_case("kv", True, mos), tl)

@@ -63,8 +63,7 @@ def hierarchical_ab(q, length, scale, groups, reps):
   n2 = jax.random.randint(k3, (hkv, c2n), 1, 40).astype(jnp.int32)
   parent = jax.random.randint(k4, (hkv, c2n), 0, c1n).astype(jnp.int32)
   n1 = jax.vmap(lambda p, n: jnp.zeros((c1n,), jnp.int32).at[p].add(n))(parent, n2)
-  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=groups, cfg=dataclasses.replace(
-      DEFAULT_PREFILL, prefill_engine="triton"), backend="pallas")
+  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=groups, cfg=DEFAULT_PREFILL, backend="pallas")
   t1 = jnp.median(s1[n1 > 0])
   t2 = jnp.float32(0.0)
   out = {"level1_survivors": float(jnp.mean((s1 >= t1)[n1 > 0]))}
@@ -135,9 +134,8 @@ def main(argv=None):
     nvx = nv if bounded else None
     cols = int(args.bound * num_c) if bounded else num_c
     ref = np.asarray(reference_group0(q, c, n, nvx, scale, groups))
-    tri_cfg = dataclasses.replace(DEFAULT_PREFILL, prefill_engine="triton")
     tri = jax.jit(lambda q, c, n, nv=nvx: lookup_prefill_scores(q, c, n, nv, scale=scale, groups=groups,
-                                                                  cfg=tri_cfg, backend=be))
+                                                                  cfg=DEFAULT_PREFILL, backend=be))
     t_tri, o_tri = timed(tri, (q, c, n), args.reps)
     rows.append(dict(engine="triton", bounded=bounded, config="DEFAULT_PREFILL", seconds=t_tri,
                      tflops=flops(cols) / t_tri / 1e12, rel_err_ref=rel(o_tri[0], ref)))

@@ -128,9 +128,9 @@ _LOG2E = 1.4426950408889634
 # fastest of the tilings swept on an H200 at 512K / 4K tokens (``python -m
 # benchmarks.lookup_sweep``; benchmarks/results/gpu_h200_lookup_sweep/exp2): 5.38 ms against
 # 10.16 ms for the first kernels with one 64 x 128 tiling of both passes.
-# The Triton passes stay the default: the Mosaic GPU passes measured 0.93x their time for one level,
-# 1.00x for a bounded level 2 and 1.04x for the whole hierarchical lookup at that size
-# (benchmarks/results/gpu_h200_mosaic_lookup).
+# The Triton passes stay the default: across seven H200 commands at that size the Mosaic GPU passes
+# measured 0.85-1.00x their time for one level, 0.91-1.00x for a bounded level 2 and 1.02-1.04x
+# for the whole hierarchical lookup (timed in two of them; benchmarks/results/gpu_h200_mosaic_lookup).
 DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, num_stages=2, tile_acc=True,
                                        score_block_t=64, score_block_c=128, score_warps=4)
 
@@ -533,13 +533,19 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   return jnp.sum(avg, axis=1)[:, :num_c]
 
 
+def mosaic_applies(dtype, d: int, backend: str) -> bool:
+  """Whether the Mosaic GPU passes run compiled here: ``backend="pallas"`` on a Hopper GPU, with
+  inputs they take (bf16/f16, d % 64 == 0).  What ``prefill_engine="auto"`` picks them by."""
+  return backend == "pallas" and mosaic_supported(dtype, d) and is_hopper()
+
+
 def _mosaic_engine(cfg: CentroidLookupConfig, q, centroids, backend: str) -> bool:
   """Whether ``lookup_prefill_scores`` runs the Mosaic GPU passes (see ``prefill_engine``)."""
   ok = mosaic_supported(q.dtype, q.shape[-1]) and centroids.dtype == q.dtype
-  if cfg.prefill_engine == "triton" or (cfg.prefill_engine == "auto" and backend != "pallas"):
+  if cfg.prefill_engine == "triton":
     return False
   if cfg.prefill_engine == "auto":
-    return ok and is_hopper()
+    return ok and mosaic_applies(q.dtype, q.shape[-1], backend)
   if not ok:
     raise ValueError(f"prefill_engine='mosaic' takes bf16/f16 q and centroids of one dtype with d % 64 == 0;"
                      f" got q {q.dtype} {q.shape}, centroids {centroids.dtype}; use 'triton' or 'auto'")

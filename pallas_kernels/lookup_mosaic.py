@@ -19,9 +19,10 @@ over a block of T query tokens, App. D), base-2 logits ``s = log2(e) * scale * q
 
 FA3's schedule barrier alternates the two compute warpgroups, so that one's exp2s run while the
 other's wgmma does.  Measured on an H200 (4K tokens over 512K) that overlap did not shorten a
-step: these passes took 0.93x the Triton passes' time for one level, 1.00x for a bounded level 2
-and 1.04x for the whole hierarchical lookup (benchmarks/results/gpu_h200_mosaic_lookup), so
-``CentroidLookupConfig.prefill_engine`` defaults to the Triton passes.
+step: across seven commands these passes took 0.85-1.00x the Triton passes' time for one level,
+0.91-1.00x for a bounded level 2 and 1.02-1.04x for the whole hierarchical lookup (timed in two)
+(benchmarks/results/gpu_h200_mosaic_lookup), so ``CentroidLookupConfig.prefill_engine``
+defaults to the Triton passes.
 No [H, C, T] tensor reaches HBM.  The per-column vectors (counts, ``m_t + log2 l_t``) ride
 the same TMA ring as the tiles they belong to.  Requires d % 64 == 0 and bf16 or
 f16 inputs; ``centroid_lookup`` keeps the Triton passes for everything else.
