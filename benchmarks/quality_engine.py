@@ -376,9 +376,10 @@ def evaluate_cell(ctx, ref: Reference, shapes: RunShapes, *, attention: bool = T
 #: config fields that only `build` reads (the lookup never does): a method that differs from
 #: another only in these runs the very same computation at lookup time.
 BUILD_ONLY = {
-    "squeezed": {"sparsity": 0.5, "kmeans_iters": 25, "seed": 0, "centroid_fraction": 0.05, "n_centroids": None},
+    "squeezed": {"sparsity": 0.5, "kmeans_iters": 25, "seed": 0, "centroid_fraction": 0.05, "n_centroids": None,
+                 "decode_calibration": "window"},
     "hsqueezed": {"sparsity": 0.5, "kmeans_iters": 25, "seed": 0, "centroid_fraction": 0.05, "n_centroids": None,
-                  "level1_fraction": 0.01, "level1_prune": 0.5},
+                  "level1_fraction": 0.01, "level1_prune": 0.5, "decode_calibration": "window"},
     "snapkv": {"budget": 0.5, "window": 32, "kernel": 7, "pool": "max"},
 }
 

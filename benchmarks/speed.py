@@ -82,6 +82,7 @@ class Plan:
     cpu: bool = False
     phases: tuple = ("decode", "prefill")
     offline_hierarchical: bool = True  # also time the 2-level offline build
+    offline_token: bool = True  # also time the builds with decode thresholds (decode_calibration="token")
     backend: str = "auto"  # sqjax.dispatch backend ("interpret" in the CPU smoke run: kernel plumbing)
 
 
@@ -157,6 +158,8 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
     methods = [("squeezed", Squeezed(sparsity=0.9, n_sink=1))]
     if plan.offline_hierarchical:
         methods.append(("hsqueezed", HierarchicalSqueezed(sparsity=0.9, n_sink=1)))
+    if plan.offline_token:
+        methods += [(f"{name}_token", dataclasses.replace(m, decode_calibration="token")) for name, m in methods]
     for name, m in methods:
         from sqjax import dispatch
 
@@ -166,6 +169,14 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
         jax.block_until_ready(index)
         out[f"{name}_seconds"] = time.perf_counter() - t0  # includes compilation (first build)
         out[f"{name}_capacity"] = info["capacity"]
+        out[f"{name}_threshold"] = float(info["threshold"])
+        # retrieved fraction of the clustered keys on the calibration queries themselves (App. C's
+        # block of 100; with decode thresholds also each query alone at those)
+        out[f"{name}_calibrated_kept"] = float(np.mean(np.asarray(info["calibrated_retrieved_fraction"])))
+        if "threshold_decode" in info:
+            out[f"{name}_threshold_decode"] = float(info["threshold_decode"])
+            out[f"{name}_decode_kept"] = float(np.mean(np.asarray(info["decode_retrieved_fraction"])))
+            out[f"{name}_decode_queries"] = int(info["decode_calibration_queries"])
         # the same build again, compiled: what each further document of this shape costs
         t0 = time.perf_counter()
         with dispatch.using(plan.backend):
@@ -1043,6 +1054,18 @@ def to_markdown(res: dict) -> str:
                "hierarchical, first | hierarchical, compiled |", "|---|---|---|---|---|---|",
                f"| {off['L']} | {off['layers']} × {off['Hkv']} | {secs('squeezed_seconds')} | "
                f"{secs('squeezed_seconds_warm')} | {secs('hsqueezed_seconds')} | {secs('hsqueezed_seconds_warm')} |", ""]
+        if "squeezed_token_seconds" in off:
+            md += ["With decode thresholds (`decode_calibration=\"token\"`: each calibration query alone also "
+                   "sets T, T1 for decode steps). Kept: mean retrieved fraction of the clustered keys on the "
+                   "calibration queries, as one 100-query block at T and each query alone at the decode T.", "",
+                   "| build | first build | compiled | kept, block at T | kept, single queries at decode T |",
+                   "|---|---|---|---|---|"]
+            for name in ("squeezed_token", "hsqueezed_token"):
+                if f"{name}_seconds" in off:
+                    md.append(f"| {name.replace('_token', '')} | {secs(name + '_seconds')} | "
+                              f"{secs(name + '_seconds_warm')} | {off[name + '_calibrated_kept']:.4f} | "
+                              f"{off[name + '_decode_kept']:.4f} |")
+            md.append("")
     rows = [r for r in res.get("kernels", []) if "method" in r]
     for shape in sorted({(r["Hq"], r["Hkv"]) for r in rows}, key=lambda s: (s not in shapes, s)):
         name = _SHAPE_NAMES.get(shape)

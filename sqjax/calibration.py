@@ -3,10 +3,15 @@
 The last `n_obs` fixed-context tokens' queries are scored against the remaining (clustered)
 fixed-context keys; every key takes its cluster's score S (Eq. 1, averaged over the `n_obs`
 queries); the threshold T is the quantile of those per-key scores over **all layers × heads ×
-keys** that prunes the target fraction of keys. One T serves prefill and decode.
+keys** that prunes the target fraction of keys. By default one T serves prefill and decode
+(the paper's). A single decode query's scores are peakier than the window's average, so at that
+T a decode step keeps fewer keys than nominal; `SqueezedConfig(decode_calibration="token")` also
+calibrates decode thresholds on each observation query alone (`squeezed.token_thresholds`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,3 +71,59 @@ def weighted_threshold(cluster_scores, counts, sparsity: float) -> float:
     cum = np.cumsum(w[order])
     i = int(np.searchsorted(cum, sparsity * cum[-1], side="left"))
     return float(s[order][min(i, s.size - 1)])
+
+
+_FULL_SORT = 1 << 21  # entries up to which `weighted_quantile` sorts everything
+
+
+def weighted_quantile(values, weights, q: float) -> float:
+    """Exact `np.quantile(np.repeat(values, weights), q, method="linear")` without the repeat.
+
+    values/weights: arrays of any (equal) shape; weights are non-negative integers. Large inputs
+    (the per-token decode calibration pools ~10^8 cluster scores at 128K × 32 layers) are not
+    sorted whole: a strided sample brackets the two ranks needed, one pass counts the weight below
+    the bracket, and only the entries inside it are sorted; the counts verify the bracket, so the
+    result is the same as the full sort's.
+    """
+    v = np.asarray(values).reshape(-1)
+    if v.dtype not in (np.float32, np.float64):
+        v = v.astype(np.float64)
+    w = np.asarray(weights).reshape(-1)
+    keep = w > 0
+    v, w = v[keep], w[keep]
+    if v.size == 0:
+        raise ValueError("no key scores to calibrate on")
+    n = int(w.sum(dtype=np.int64))
+    h = (n - 1) * q
+    lo = int(math.floor(h))
+    hi = min(lo + 1, n - 1)
+    t = h - lo
+    a, b = _at_ranks(v, w, n, (lo, hi))
+    # numpy's lerp: a + (b − a)·t, computed from the upper end when t >= 0.5
+    return float(b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t)
+
+
+def _ranks_sorted(v, w, ranks, below: int = 0) -> list[float]:
+    """Values at 0-based `ranks` of the weight-expanded sorted sequence whose first `below` ranks
+    are held by entries not in v."""
+    order = np.argsort(v, kind="stable")
+    cw = below + np.cumsum(w[order], dtype=np.int64)
+    vs = v[order].astype(np.float64)
+    return [float(vs[min(int(np.searchsorted(cw, r, side="right")), vs.size - 1)]) for r in ranks]
+
+
+def _at_ranks(v, w, n: int, ranks: tuple[int, int]) -> list[float]:
+    if v.size <= _FULL_SORT:
+        return _ranks_sorted(v, w, ranks)
+    step = -(-v.size // (_FULL_SORT // 2))
+    vs, ws = v[::step], w[::step]
+    ns = int(ws.sum(dtype=np.int64))
+    for eps in (1e-3, 1e-2, 1e-1):
+        r_lo = max(0, int((ranks[0] / n - eps) * ns))
+        r_hi = min(ns - 1, int(math.ceil((ranks[1] / n + eps) * ns)))
+        a, b = _ranks_sorted(vs, ws, (r_lo, r_hi))
+        below = int(w[v < a].sum(dtype=np.int64))
+        mid = (v >= a) & (v <= b)
+        if below <= ranks[0] and below + int(w[mid].sum(dtype=np.int64)) > ranks[1]:
+            return _ranks_sorted(v[mid], w[mid], ranks, below)
+    return _ranks_sorted(v, w, ranks)

@@ -128,6 +128,9 @@ def cmd_index(args) -> int:
     extra = {}
     if args.method in ("squeezed", "hsqueezed"):
         extra["n_sink"] = args.n_sink
+        extra["decode_calibration"] = args.decode_calibration or "window"
+    elif args.decode_calibration:
+        raise SqjaxError(f"--decode-calibration is for squeezed and hsqueezed (thresholds); {args.method} has none")
     if args.method in ("squeezed", "hsqueezed", "saap"):
         extra["deterministic_build"] = args.deterministic
     elif args.deterministic:
@@ -242,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--n-sink", type=int, default=0, help="squeezed: attention-sink tokens kept exactly")
     i.add_argument("--deterministic", action="store_true",
                    help="squeezed, hsqueezed, saap: bit-identical index on GPU from the same document (k-means 1.2-2.2x slower, measured 128K-512K)")
+    i.add_argument("--decode-calibration", choices=("window", "token"), default=None,
+                   help="squeezed, hsqueezed: 'window' (default, the paper's App. C: one threshold for prefill "
+                        "and decode) or 'token' (decode steps get thresholds calibrated on single queries, "
+                        "so a decode step keeps about 1 - sparsity of the keys)")
     i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
     i.set_defaults(fn=cmd_index)

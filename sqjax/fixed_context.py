@@ -70,8 +70,9 @@ class SparseAttentionHook:
                 ks, vs, off, cent = state["clustered"][layer]
                 index = state["index"]
                 level1 = state["level1"][layer] if "level1" in state else None  # hierarchical index
-                o = dispatch.clustered_decode(qh, ks, vs, cent, off, index.threshold, ckb, cvb, qpb, kpb, scale,
-                                              self.method.vote, level1=level1, threshold1=index.threshold1)
+                t, t1 = index.thresholds(1)
+                o = dispatch.clustered_decode(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale,
+                                              self.method.vote, level1=level1, threshold1=t1)
                 if o is not None:
                     return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks

@@ -65,7 +65,7 @@ def _encode(tree, arrays: dict, path: str):
     arr = np.asarray(tree)
     name = path or "/"
     arrays[name] = arr
-    return {"t": "array", "name": name, "dtype": str(arr.dtype)}
+    return {"t": "array", "name": name, "dtype": str(arr.dtype), "shape": list(arr.shape)}
 
 
 def _decode(node, arrays: dict):
@@ -90,6 +90,8 @@ def _decode(node, arrays: dict):
         a = arrays[node["name"]]
         if node["dtype"] == "bfloat16":
             a = a.view(jnp.bfloat16) if a.dtype != jnp.bfloat16 else a
+        if "shape" in node:  # safetensors gives 0-d arrays back as [1]
+            a = a.reshape(node["shape"])
         return jnp.asarray(a)
     raise IndexFileError(f"unknown node type {t!r} in index file")
 

@@ -8,7 +8,8 @@ keys). `select` returns which fixed-context keys each head attends (`selection.S
 attention itself is exact over those keys plus the user input (`attention.py`).
 
 Budgets: `Squeezed` is set by its sparsity (fraction of clustered keys pruned on the
-calibration queries); QUEST, SnapKV, StreamingLLM and the oracle by `budget`, the fraction of
+calibration queries; with `decode_calibration="token"` also on each calibration query alone,
+for decode steps); QUEST, SnapKV, StreamingLLM and the oracle by `budget`, the fraction of
 the fixed context's tokens attended (rounded up to whole pages for QUEST); SAAP by its number
 of probes ℓ (selectivity follows from the bucket sizes). `expected_budget(L)` gives each
 method's nominal KV budget at context length L; `budget.account` measures the real one.
@@ -139,6 +140,7 @@ class Squeezed(Method):
     kmeans_init: str = "kmeans++"
     seed: int = 0
     deterministic_build: bool = False   # GPU: bit-identical index from the same document and seed, 1.3-2.2x slower build
+    decode_calibration: str = "window"  # "token": decode steps get thresholds calibrated on single queries
 
     def __post_init__(self):
         super().__post_init__()
@@ -150,7 +152,8 @@ class Squeezed(Method):
             sparsity=self.sparsity, centroid_fraction=self.centroid_fraction, n_centroids=self.n_centroids,
             n_obs=self.n_obs, n_sink=self.n_sink, vote=self.vote, capacity_fraction=self.capacity_fraction,
             kmeans_iters=self.kmeans_iters, kmeans_init=self.kmeans_init, seed=self.seed,
-            deterministic_build=self.deterministic_build, **self._hier_kwargs(),
+            deterministic_build=self.deterministic_build, decode_calibration=self.decode_calibration,
+            **self._hier_kwargs(),
         )
 
     def _hier_kwargs(self) -> dict:
@@ -164,7 +167,7 @@ class Squeezed(Method):
     def _select(self, index: squeezed.SqueezedIndex, layer, q, q_pre, k_fixed, q_valid=None) -> Selection:
         length = k_fixed.shape[1]
         ret, touched = squeezed.lookup(
-            index.layer(layer), q, index.threshold, index.threshold1,
+            index.layer(layer), q, *index.thresholds(q.shape[1]),
             scale=1.0 / math.sqrt(q.shape[-1]), vote=self.vote, n_tail=index.n_tail, capacity=index.capacity,
             q_valid=q_valid, n_sink=index.n_sink,
         )
@@ -179,7 +182,8 @@ class Squeezed(Method):
     @property
     def label(self) -> str:
         sink = f"+sink{self.n_sink}" if self.n_sink else ""
-        return f"{self.name}{sink}@{self.sparsity:g}"
+        phase = "" if self.decode_calibration == "window" else f"/{self.decode_calibration}"
+        return f"{self.name}{sink}@{self.sparsity:g}{phase}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,6 +111,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sqjax import squeezed
 from sqjax._checks import check_gqa, check_rank, check_same
+from sqjax.calibration import weighted_quantile
 
 CTX = "ctx"
 HEADS = "heads"
@@ -269,6 +270,12 @@ class ShardedSqueezedIndex:
     n_obs: int = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))  # per device
     n_sink: int = dataclasses.field(default=0, metadata=dict(static=True))
+    threshold_decode: jax.Array | None = None   # f32 scalar T of one-token steps (None: threshold)
+    threshold1_decode: jax.Array | None = None  # f32 scalar T1 of one-token steps (None: threshold1)
+
+    def thresholds(self, n_tokens: int):
+        """(T, T1) for a block of `n_tokens` query tokens (`squeezed.thresholds_for`)."""
+        return squeezed.thresholds_for(self, n_tokens)
 
     @property
     def n_layers(self) -> int:
@@ -1050,36 +1057,13 @@ def sharded_quest_attention(q, kmin, kmax, k, v, k_new, v_new, q_pos, kv_pos, *,
 # Offline: global calibration over all devices
 # ---------------------------------------------------------------------------------------------
 
-def weighted_quantile(values, weights, q: float) -> float:
-    """Exact `np.quantile(np.repeat(values, weights), q, method="linear")` without the repeat.
-
-    values/weights: arrays of any (equal) shape; weights are non-negative integers.
-    """
-    v = np.asarray(values, np.float64).reshape(-1)
-    w = np.asarray(weights, np.int64).reshape(-1)
-    keep = w > 0
-    v, w = v[keep], w[keep]
-    if v.size == 0:
-        raise ValueError("no key scores to calibrate on")
-    order = np.argsort(v, kind="stable")
-    v, cw = v[order], np.cumsum(w[order])
-    n = int(cw[-1])
-    h = (n - 1) * q
-    lo = int(math.floor(h))
-    hi = min(lo + 1, n - 1)
-    t = h - lo
-    a = v[np.searchsorted(cw, lo, side="right")]
-    b = v[np.searchsorted(cw, hi, side="right")]
-    # numpy's lerp: a + (b − a)·t, computed from the upper end when t >= 0.5
-    return float(b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t)
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote"))
-def _calib_jit(lay, q, threshold1, *, mesh, scale, vote):
-    """Per level-2 cluster: (its final score, its level-1 parent's score), each [Hs, P·C]."""
+@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "per_token"))
+def _calib_jit(lay, q, threshold1, *, mesh, scale, vote, per_token=False):
+    """Per level-2 cluster: (its final score, its level-1 parent's score), each [Hs, P·C] for the
+    block q [Hq, n, d], or [n, Hs, P·C] with each token a block of its own (`per_token`)."""
     n_ctx, _ = mesh_shape(mesh)
 
-    def body(lay, q, t1):
+    def block(lay, q, t1):
         r = _local_scores(lay, q, t1, None, scale=scale, vote=vote, n_ctx=n_ctx)
         hs = r.s.shape[0]
         if lay.counts1.shape[-1]:
@@ -1088,7 +1072,12 @@ def _calib_jit(lay, q, threshold1, *, mesh, scale, vote):
             s1p = jnp.zeros_like(r.s)
         return r.s, s1p
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(_layer_specs(0), _H3, P()), out_specs=(_HC, _HC),
+    body = block
+    if per_token:
+        def body(lay, q, t1):
+            return jax.vmap(lambda qt: block(lay, qt[:, None], t1), in_axes=1)(q)
+    out = P(None, HEADS, CTX) if per_token else _HC
+    f = jax.shard_map(body, mesh=mesh, in_specs=(_layer_specs(0), _H3, P()), out_specs=(out, out),
                       check_vma=False)
     return f(lay, q, threshold1)
 
@@ -1112,43 +1101,56 @@ def calibrate_sharded(layers: ShardedLayerIndex, q_obs, cfg: squeezed.SqueezedCo
     q_obs = _put(q_obs, NamedSharding(mesh, P(None, HEADS, None, None)))
     counts = [_host(li.counts) for li in per_layer]  # [Hkv, P·C] each
 
-    def pairs(t1):
-        out = [_calib_jit(li, q_obs[i], jnp.float32(t1), mesh=mesh, scale=float(scale), vote=vote)
+    def pairs(t1, qs, per_token=False):
+        out = [_calib_jit(li, qs[i], jnp.float32(t1), mesh=mesh, scale=float(scale), vote=vote, per_token=per_token)
                for i, li in enumerate(per_layer)]
         return [(_host(s), _host(s1)) for s, s1 in out]
 
-    def weights(hs):
-        return [np.repeat(c, hs // c.shape[0], axis=0) for c in counts]
+    def calibrate(qs, per_token=False):
+        """(T, T1, retrieved fraction [layers, Hs, P]) App. C's way on the blocks qs (`per_token`:
+        each token alone, the fraction averaged over them)."""
+        def quantile(res, j, frac):
+            w = [np.broadcast_to(np.repeat(c, r[0].shape[-2] // c.shape[0], axis=0), r[0].shape)
+                 for c, r in zip(counts, res)]
+            return weighted_quantile(np.concatenate([r[j].ravel() for r in res]),
+                                     np.concatenate([x.ravel() for x in w]), frac), w
 
-    threshold1 = 0.0
-    if hier:
-        res = pairs(0.0)
-        w = weights(res[0][0].shape[0])
-        threshold1 = weighted_quantile(np.concatenate([r[1].ravel() for r in res]),
-                                       np.concatenate([x.ravel() for x in w]), cfg.level1_prune)
-    res = pairs(threshold1)
-    w = weights(res[0][0].shape[0])
-    threshold = weighted_quantile(np.concatenate([r[0].ravel() for r in res]),
-                                  np.concatenate([x.ravel() for x in w]), cfg.sparsity)
+        t1 = 0.0
+        if hier:
+            t1 = quantile(pairs(0.0, qs, per_token), 1, cfg.level1_prune)[0]
+        res = pairs(t1, qs, per_token)
+        t, w = quantile(res, 0, cfg.sparsity)
+        c = counts[0].shape[-1] // n_ctx
+        frac = np.stack([
+            (np.where(r[0] > t, wi, 0).reshape(wi.shape[:-1] + (n_ctx, c)).sum(-1) / np.asarray(lcs))
+            .reshape(-1, wi.shape[-2], n_ctx).mean(0) for r, wi in zip(res, w)
+        ])
+        return t, t1, frac
+
     # Retrieved fraction of each device's clustered keys on the calibration queries: [layers, Hs, P].
-    c = counts[0].shape[-1] // n_ctx
-    frac = np.stack([
-        (np.where(r[0] > threshold, wi, 0).reshape(wi.shape[0], n_ctx, c).sum(-1) / np.asarray(lcs)[None, :])
-        for r, wi in zip(res, w)
-    ])
+    threshold, threshold1, frac = calibrate(q_obs)
+    decode, seen = {}, float(frac.max())
+    if cfg.decode_calibration == "token":
+        hs = squeezed.selection_heads(q_obs.shape[1], counts[0].shape[0], vote)
+        cols = squeezed.token_queries(q_obs.shape[2], n_layers * hs * counts[0].shape[-1])
+        td, td1, dfrac = calibrate(q_obs[:, :, np.asarray(cols)], per_token=True)
+        decode = {"threshold_decode": td, "threshold1_decode": td1, "decode_retrieved_fraction": dfrac,
+                  "decode_calibration_queries": len(cols)}
+        seen = max(seen, float(dfrac.max()))
     cap_frac = cfg.capacity_fraction
-    if cap_frac is None:
-        cap_frac = min(1.0, 1.5 * float(frac.max()) + 0.05)
+    if cap_frac is None:  # the capacity serves both phases
+        cap_frac = min(1.0, 1.5 * seen + 0.05)
     n_exact = max((cfg.n_sink if p == 0 else 0) + (cfg.n_obs if p == n_ctx - 1 else 0) for p in range(n_ctx))
     capacity = min(ls, n_exact + int(math.ceil(cap_frac * max(lcs))))
     rep = NamedSharding(mesh, P())
     index = ShardedSqueezedIndex(
         layers, _put(np.float32(threshold), rep), _put(np.float32(threshold1), rep),
         n_ctx=n_ctx, n_obs=cfg.n_obs, capacity=capacity, n_sink=cfg.n_sink,
+        **({k: _put(np.float32(decode[k]), rep) for k in ("threshold_decode", "threshold1_decode")} if decode else {}),
     )
     info = {"threshold": threshold, "threshold1": threshold1, "calibrated_retrieved_fraction": frac,
             "capacity": capacity, "clusters_per_device": layers.counts.shape[-1] // n_ctx,
-            "level1_clusters_per_device": layers.counts1.shape[-1] // n_ctx}
+            "level1_clusters_per_device": layers.counts1.shape[-1] // n_ctx, **decode}
     return index, info
 
 
@@ -1189,7 +1191,7 @@ def to_single_device_index(index: ShardedSqueezedIndex, capacity: int | None = N
         jnp.asarray(_host(lay.centroids1)), jnp.asarray(_host(lay.counts1)), jnp.asarray(parent.astype(np.int32)),
     )
     return squeezed.SqueezedIndex(single, jnp.float32(_host(index.threshold)), jnp.float32(_host(index.threshold1)),
-                                  index.n_obs, cap, index.n_sink)
+                                  index.n_obs, cap, index.n_sink, **_decode_thresholds(index, jnp.float32))
 
 
 def from_single_device_index(index: squeezed.SqueezedIndex, mesh: Mesh) -> ShardedSqueezedIndex:
@@ -1237,7 +1239,15 @@ def from_single_device_index(index: squeezed.SqueezedIndex, mesh: Mesh) -> Shard
     rep = NamedSharding(mesh, P())
     return ShardedSqueezedIndex(layers, _put(np.float32(_host(index.threshold)), rep),
                                 _put(np.float32(_host(index.threshold1)), rep), n_ctx=n_ctx,
-                                n_obs=index.n_tail, capacity=min(index.capacity, ls), n_sink=index.n_sink)
+                                n_obs=index.n_tail, capacity=min(index.capacity, ls), n_sink=index.n_sink,
+                                **_decode_thresholds(index, lambda x: _put(np.float32(x), rep)))
+
+
+def _decode_thresholds(index, put) -> dict:
+    """The index's decode thresholds (when it has them) as keyword arguments, each through `put`."""
+    if index.threshold_decode is None:
+        return {}
+    return {k: put(_host(getattr(index, k))) for k in ("threshold_decode", "threshold1_decode")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1259,6 +1269,8 @@ class ShardedFixedContext:
     threshold: jax.Array
     threshold1: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
+    threshold_decode: jax.Array | None = None   # one-token steps' T, T1 (None: threshold, threshold1)
+    threshold1_decode: jax.Array | None = None
 
 
 def fixed_context_state(index: ShardedSqueezedIndex, k, v) -> ShardedFixedContext:
@@ -1271,7 +1283,8 @@ def fixed_context_state(index: ShardedSqueezedIndex, k, v) -> ShardedFixedContex
     sh = _named(mesh, _layer_specs(0))
     lays = [jax.tree.map(lambda a, s, i=i: jax.device_put(take(a, i), s), index.layers, sh)
             for i in range(index.n_layers)]
-    return ShardedFixedContext(ks, vs, lays, index.threshold, index.threshold1, index.capacity)
+    return ShardedFixedContext(ks, vs, lays, index.threshold, index.threshold1, index.capacity,
+                               index.threshold_decode, index.threshold1_decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1293,7 +1306,7 @@ class ShardedSqueezedHook:
             qb = jnp.swapaxes(q[b], 0, 1)  # [Hq, T, d]
             qv = (q_pos[b] >= 0) if q.shape[1] > 1 else None
             r = sharded_squeezed_attention(
-                attn_state.layers[layer], attn_state.threshold, attn_state.threshold1, qb,
+                attn_state.layers[layer], *squeezed.thresholds_for(attn_state, q.shape[1]), qb,
                 attn_state.k[layer], attn_state.v[layer], cache_k[b], cache_v[b], q_pos[b], kv_pos[b],
                 mesh=self.mesh, capacity=attn_state.capacity, vote=self.vote, q_valid=qv, backend=self.backend,
                 order=self.order)
@@ -1309,6 +1322,7 @@ class ShardedClusteredContext:
     layers: list       # per layer ShardedClusteredLayer
     threshold: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
+    threshold_decode: jax.Array | None = None  # one-token steps' T (None: threshold)
 
 
 def clustered_context_state(index: ShardedSqueezedIndex, k, v) -> ShardedClusteredContext:
@@ -1321,7 +1335,7 @@ def clustered_context_state(index: ShardedSqueezedIndex, k, v) -> ShardedCluster
     for i in range(index.n_layers):
         layers.append(clustered_layout(state.layers[i], state.k[i], state.v[i], mesh=mesh))
         state.k[i] = state.v[i] = None
-    return ShardedClusteredContext(layers, index.threshold, index.capacity)
+    return ShardedClusteredContext(layers, index.threshold, index.capacity, index.threshold_decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1345,7 +1359,8 @@ class ShardedClusteredHook:
         outs = []
         for b in range(q.shape[0]):
             if q.shape[1] == 1:
-                o, _ = sharded_clustered_decode(cl, attn_state.threshold, q[b, 0], cache_k[b], cache_v[b], q_pos[b],
+                t = attn_state.threshold if attn_state.threshold_decode is None else attn_state.threshold_decode
+                o, _ = sharded_clustered_decode(cl, t, q[b, 0], cache_k[b], cache_v[b], q_pos[b],
                                                 kv_pos[b], mesh=self.mesh, vote=self.vote, backend=self.backend,
                                                 config=self.config)
                 outs.append(o[None])
@@ -1420,6 +1435,7 @@ def save_sharded(path, index: ShardedSqueezedIndex, *, k=None, v=None, metadata:
         "format": FORMAT, "version": VERSION, "n_ctx": index.n_ctx, "n_obs": index.n_obs, "n_sink": index.n_sink,
         "capacity": index.capacity, "threshold": float(_host(index.threshold)),
         "threshold1": float(_host(index.threshold1)), "has_kv": k is not None,
+        **_decode_thresholds(index, float),
         "arrays": _array_entries(trees), "metadata": metadata or {},
     }
     if lead:
@@ -1491,6 +1507,8 @@ def load_sharded(path, mesh: Mesh, *, load_kv: bool = True, verify: bool = True)
         ShardedLayerIndex(**out["index"]), _put(np.float32(manifest["threshold"]), rep),
         _put(np.float32(manifest["threshold1"]), rep), n_ctx=n_ctx, n_obs=manifest["n_obs"],
         capacity=manifest["capacity"], n_sink=manifest["n_sink"],
+        **({k: _put(np.float32(manifest[k]), rep) for k in ("threshold_decode", "threshold1_decode")}
+           if "threshold_decode" in manifest else {}),
     )
     kv = out.get("kv")
     return index, (kv["k"] if kv else None), (kv["v"] if kv else None), manifest["metadata"]

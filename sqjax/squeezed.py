@@ -5,7 +5,8 @@ clustered with spherical k-means; a query retrieves the clusters whose score
 
     Eq. 1   S_i = exp(s·q·C_i) / Σ_j N_j · exp(s·q·C_j)
 
-exceeds a global threshold T (calibrated once over all layers × heads, see `calibration.py`).
+exceeds a global threshold T (calibrated once over all layers × heads, see `calibration.py`;
+optionally a second pair of thresholds for decode steps, calibrated on single queries).
 A block of query tokens (prefill) averages S_i over its tokens and retrieves one set per head;
 decode retrieves per token. GQA: by default the g query heads of a group vote (mean of their
 S_i), so one key set is read per KV head (vote="kv"); vote="q" selects per query head.
@@ -29,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sqjax._checks import check_gqa, check_rank, check_same
 
@@ -311,6 +313,9 @@ def lookup(
 # Offline: clustering + global calibration for a whole fixed context
 # ---------------------------------------------------------------------------------------------
 
+DECODE_CALIBRATIONS = ("window", "token")
+
+
 @dataclasses.dataclass(frozen=True)
 class SqueezedConfig:
     """Squeezed Attention settings (paper defaults).
@@ -332,6 +337,11 @@ class SqueezedConfig:
     deterministic_build: k-means with deterministic scatter-adds: on GPU the same document and
                        seed then give a bit-identical index, at 1.3-2.2x the clustering time (128K-512K);
                        the sharded build (`sharding.cluster_sharded`) honours it too.
+    decode_calibration: "window" (App. C, the paper's: one T, T1 from the n_obs-query window's
+                       averaged scores serves prefill and decode; a single decode query's scores
+                       are peakier, so a decode step keeps fewer keys than 1 − sparsity) or
+                       "token" (decode steps use their own T, T1, calibrated the same way on each
+                       observation query alone: a decode step then keeps about 1 − sparsity).
     """
 
     sparsity: float = 0.9
@@ -348,6 +358,7 @@ class SqueezedConfig:
     kmeans_init: str = "kmeans++"
     seed: int = 0
     deterministic_build: bool = False
+    decode_calibration: str = "window"
 
     def __post_init__(self):
         from sqjax._checks import check_fraction
@@ -367,6 +378,8 @@ class SqueezedConfig:
         if self.n_sink < 0:
             raise ValueError(f"n_sink must be >= 0; got {self.n_sink}")
         _check_vote(self.vote)
+        if self.decode_calibration not in DECODE_CALIBRATIONS:
+            raise ValueError(f"decode_calibration must be one of {DECODE_CALIBRATIONS}; got {self.decode_calibration!r}")
         if self.capacity_fraction is not None:
             check_fraction("capacity_fraction", self.capacity_fraction, inclusive_high=True)
 
@@ -395,9 +408,26 @@ class SqueezedIndex:
     n_tail: int = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))
     n_sink: int = dataclasses.field(default=0, metadata=dict(static=True))
+    threshold_decode: jax.Array | None = None   # f32 scalar T for one-token steps; None = threshold
+    threshold1_decode: jax.Array | None = None  # f32 scalar T1 for one-token steps; None = threshold1
 
     def layer(self, i: int) -> SqueezedLayerIndex:
         return jax.tree.map(lambda a: a[i], self.layers)
+
+    def thresholds(self, n_tokens: int):
+        """(T, T1) for a block of `n_tokens` query tokens (`thresholds_for`)."""
+        return thresholds_for(self, n_tokens)
+
+
+def thresholds_for(index, n_tokens: int):
+    """(T, T1) that a block of `n_tokens` query tokens selects with: the decode pair for one token
+    when the index has one (`decode_calibration="token"`), App. C's pair otherwise.
+
+    index: anything holding threshold, threshold1, threshold_decode, threshold1_decode (the
+    single-device and sharded indexes, the serving states)."""
+    if n_tokens == 1 and index.threshold_decode is not None:
+        return index.threshold_decode, index.threshold1_decode
+    return index.threshold, index.threshold1
 
 
 def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerIndex:
@@ -440,6 +470,58 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
     return jax.tree.map(lambda *a: jnp.concatenate(a), *out)
 
 
+_TOKEN_POOL = 1 << 26  # pooled (query, head, cluster) scores per decode calibration, at most
+
+
+def token_queries(n_obs: int, per_query: int) -> list[int]:
+    """Which observation queries calibrate the decode thresholds: all of them, or evenly spaced
+    ones when `per_query` pooled scores each would exceed `_TOKEN_POOL` (a quantile over layers ×
+    heads × clusters × ~10^2 queries needs no more)."""
+    n = max(1, min(n_obs, _TOKEN_POOL // max(per_query, 1)))
+    return sorted({round(i * (n_obs - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def _per_token(fn, q: jax.Array) -> jax.Array:
+    """fn applied to each token of q [Hq, n, d] alone ([Hq, 1, d]), jnp path: -> [n, ...]."""
+    from sqjax import dispatch
+
+    with dispatch.using("reference"):
+        return jax.vmap(lambda qt: fn(qt[:, None, :]), in_axes=1)(q)
+
+
+def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale: float):
+    """Decode thresholds: App. C's quantiles with each observation query a block of its own.
+
+    layers: per-layer `SqueezedLayerIndex`; q_obs [Lyr, Hq, n, d]. T1 prunes `level1_prune` and T
+    `sparsity` of the pooled (query, layer, head, key) scores of single queries, each key scoring
+    its cluster's Eq. 1 (Eq. 2 for T1: its parent's; Eq. 3 under T1 for T).
+    -> (T, T1, retrieved fraction [Lyr, Hs] of single calibration queries at T, queries used).
+    """
+    from sqjax.calibration import weighted_quantile
+
+    hs = selection_heads(q_obs.shape[1], layers[0].centroids.shape[0], cfg.vote)
+    n_c = layers[0].counts.shape[-1]
+    cols = jnp.asarray(token_queries(q_obs.shape[2], len(layers) * hs * n_c), jnp.int32)
+    qs = [jnp.take(q_obs[i], cols, axis=1) for i in range(len(layers))]
+    w = [np.broadcast_to(np.asarray(per_selection_head(li.counts, hs)), (cols.shape[0], hs, n_c)) for li in layers]
+
+    def quantile(scores, frac):
+        return weighted_quantile(np.concatenate([np.asarray(x).ravel() for x in scores]),
+                                 np.concatenate([x.ravel() for x in w]), frac)
+
+    t1 = 0.0
+    if cfg.hierarchical:
+        parent_scores = [_per_token(lambda qt, li=li: jnp.take_along_axis(
+            cluster_scores(qt, li.centroids1, li.counts1, scale, cfg.vote), per_selection_head(li.parent, hs), axis=-1),
+            q) for li, q in zip(layers, qs)]
+        t1 = quantile(parent_scores, cfg.level1_prune)
+    scores = [_per_token(lambda qt, li=li: layer_scores(li, qt, t1, scale, cfg.vote)[0], q) for li, q in zip(layers, qs)]
+    t = quantile(scores, cfg.sparsity)
+    lc = float(np.asarray(layers[0].counts[0]).sum())
+    frac = np.stack([np.where(np.asarray(x) > t, wi, 0).sum(-1).mean(0) / lc for x, wi in zip(scores, w)])
+    return t, t1, frac, int(cols.shape[0])
+
+
 def build_squeezed_index(
     k: jax.Array,      # [Lyr, Hkv, L, d] roped fixed-context keys
     q_obs: jax.Array,  # [Lyr, Hq, n, d] roped queries of the last fixed-context tokens
@@ -472,16 +554,25 @@ def build_squeezed_index(
     per_key = [key_scores(s, li.labels) for s, li in zip(scores, per_layer)]
     threshold = global_threshold(per_key, cfg.sparsity)
     frac = jnp.stack([jnp.mean((p > threshold).astype(jnp.float32), axis=-1) for p in per_key])  # [Lyr, Hs]
+    decode = {}
+    if cfg.decode_calibration == "token":
+        td, td1, dfrac, n_q = token_thresholds(per_layer, q_obs, cfg, scale)
+        decode = {"threshold_decode": td, "threshold1_decode": td1, "decode_retrieved_fraction": jnp.asarray(dfrac),
+                  "decode_calibration_queries": n_q}
     lc = k.shape[2] - cfg.n_obs - cfg.n_sink
     cap_frac = cfg.capacity_fraction
-    if cap_frac is None:
-        cap_frac = min(1.0, 1.5 * float(jnp.max(frac)) + 0.05)
+    if cap_frac is None:  # the capacity serves both phases
+        seen = max([float(jnp.max(frac))] + ([float(jnp.max(decode["decode_retrieved_fraction"]))] if decode else []))
+        cap_frac = min(1.0, 1.5 * seen + 0.05)
     capacity = cfg.n_sink + cfg.n_obs + int(min(lc, -(-cap_frac * lc // 1)))
-    index = SqueezedIndex(layers, jnp.float32(threshold), jnp.float32(threshold1), cfg.n_obs, capacity, cfg.n_sink)
+    index = SqueezedIndex(layers, jnp.float32(threshold), jnp.float32(threshold1), cfg.n_obs, capacity, cfg.n_sink,
+                          *((jnp.float32(decode["threshold_decode"]), jnp.float32(decode["threshold1_decode"]))
+                            if decode else ()))
     info = {
         "threshold": threshold,
         "threshold1": threshold1,
         "calibrated_retrieved_fraction": frac,
         "capacity": capacity,
+        **decode,
     }
     return index, info

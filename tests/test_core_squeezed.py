@@ -295,3 +295,76 @@ def test_weighted_threshold_is_the_per_key_quantile():
         weighted_threshold(scores[:, :5], counts, 0.9)
     with pytest.raises(ValueError, match="every cluster is empty"):
         weighted_threshold(scores, np.zeros_like(counts), 0.9)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_token_calibration_is_the_single_query_quantile(rng, hierarchical):
+    """decode_calibration="token": T (and T1) are App. C's quantiles with each observation query a
+    block of its own (brute force over keys); App. C's pair is unchanged; one-token blocks select
+    with the decode pair, longer blocks with App. C's; a decode query keeps ~1 − sparsity."""
+    hq, hkv, length, d, n_layers, n_obs = 4, 2, 1500, 16, 2, 24
+    dirs = rng.normal(size=(n_layers, hkv, 16, d))
+    lab = rng.integers(0, 16, size=(n_layers, hkv, length))
+    k = jnp.asarray((np.take_along_axis(dirs, lab[..., None], axis=2)
+                     + 0.5 * rng.normal(size=(n_layers, hkv, length, d))).astype(np.float32))
+    q_obs = jnp.asarray((2 * rng.normal(size=(n_layers, hq, n_obs, d))).astype(np.float32))
+    base = dict(sparsity=0.8, hierarchical=hierarchical, centroid_fraction=0.05, level1_fraction=0.01,
+                n_obs=n_obs, kmeans_iters=5)
+    scale = 1 / math.sqrt(d)
+    idx, info = build_squeezed_index(k, q_obs, SqueezedConfig(**base, decode_calibration="token"), scale)
+    win, _ = build_squeezed_index(k, q_obs, SqueezedConfig(**base), scale)
+    assert win.threshold_decode is None and win.thresholds(1) == (win.threshold, win.threshold1)
+    assert float(idx.threshold) == float(win.threshold) and float(idx.threshold1) == float(win.threshold1)
+    per = [idx.layer(i) for i in range(n_layers)]
+    t1 = 0.0
+    if hierarchical:
+        lvl1 = [key_scores(jnp.take_along_axis(cluster_scores(q_obs[i][:, j:j + 1], li.centroids1, li.counts1, scale),
+                                               li.parent, axis=-1), li.labels)
+                for i, li in enumerate(per) for j in range(n_obs)]
+        t1 = global_threshold(lvl1, 0.5)
+    keys = [key_scores(squeezed.layer_scores(li, q_obs[i][:, j:j + 1], t1, scale, "kv")[0], li.labels)
+            for i, li in enumerate(per) for j in range(n_obs)]
+    t = global_threshold(keys, 0.8)
+    assert info["threshold_decode"] == pytest.approx(t, rel=1e-6)
+    assert info["threshold1_decode"] == pytest.approx(t1, rel=1e-6)
+    assert info["decode_calibration_queries"] == n_obs
+    kept = np.mean([float(jnp.mean(x > t)) for x in keys])
+    assert abs(kept - 0.2) < 0.01 and np.mean(np.asarray(info["decode_retrieved_fraction"])) == pytest.approx(kept, abs=1e-6)
+    assert idx.thresholds(1) == (idx.threshold_decode, idx.threshold1_decode)
+    assert idx.thresholds(7) == (idx.threshold, idx.threshold1)
+    # the capacity holds what either phase retrieved on calibration
+    lc = length - n_obs
+    top = max(float(np.max(np.asarray(info["decode_retrieved_fraction"]))),
+              float(np.max(np.asarray(info["calibrated_retrieved_fraction"]))))
+    assert idx.capacity >= n_obs + top * lc
+
+
+def test_token_queries_are_evenly_spaced_under_the_pool(monkeypatch):
+    assert squeezed.token_queries(100, 10) == list(range(100))
+    monkeypatch.setattr(squeezed, "_TOKEN_POOL", 250)
+    cols = squeezed.token_queries(100, 10)   # 25 queries of 10 scores each
+    assert len(cols) == 25 and cols[0] == 0 and cols[-1] == 99 and cols == sorted(set(cols))
+    assert squeezed.token_queries(100, 10_000) == [0]
+    with pytest.raises(ValueError, match="decode_calibration"):
+        SqueezedConfig(decode_calibration="tokens")
+
+
+def test_weighted_quantile_bracketed_path_equals_the_full_sort(monkeypatch):
+    """Large inputs sort only a bracket found from a sample; the result is the full sort's, ties,
+    zero weights and the extreme quantiles included."""
+    from sqjax import calibration
+
+    rng = np.random.default_rng(11)
+    n = 40_000
+    for trial in range(4):
+        v = rng.standard_normal(n).astype(np.float32)
+        if trial % 2:
+            v = np.round(v, 1).astype(np.float32)   # heavy ties
+        w = rng.integers(0, 30, size=n)
+        qs = (0.0, 0.3, 0.9, 0.999, 1.0)
+        want = [calibration.weighted_quantile(v, w, q) for q in qs]
+        monkeypatch.setattr(calibration, "_FULL_SORT", 1000)
+        got = [calibration.weighted_quantile(v, w, q) for q in qs]
+        monkeypatch.setattr(calibration, "_FULL_SORT", 1 << 21)
+        assert got == want
+        assert want[2] == np.quantile(np.repeat(v.astype(np.float64), w), 0.9, method="linear")

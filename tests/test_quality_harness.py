@@ -148,6 +148,14 @@ def test_shared_compilation_changes_nothing(setup):
     shared = cell(setup, m)
     np.testing.assert_allclose(shared["prefill"]["kl_tokens"], kl_per_token(ref.prefill_logits, np.asarray(own)),
                                atol=2e-6)
+    # decode thresholds live in the index: the canonical config decodes with them too
+    tok = Squeezed(sparsity=0.9, capacity_fraction=1.0, decode_calibration="token")
+    assert canonical(tok) == canonical(m)
+    ctx = full.with_method(tok)
+    own = Runner(ctx, SHAPES).decode(ref.cont[:4], ctx.n_tokens)[0]
+    shared = cell(setup, tok)
+    np.testing.assert_allclose(shared["decode"]["kl_tokens"][:4], kl_per_token(ref.decode_logits[:4], np.asarray(own)),
+                               atol=2e-6)
 
 
 def test_run_is_resumable(model, tmp_path, monkeypatch):
@@ -155,7 +163,8 @@ def test_run_is_resumable(model, tmp_path, monkeypatch):
     st = dataclasses.replace(SETTINGS, methods=("squeezed", "quest"), attention=False)
     first = Q.run(model, docs, st, tmp_path, progress=False, log=lambda *a: None)
     fams = {(f, lv) for _, f, lv in first["computed"]}
-    assert fams == {("full", "-"), ("squeezed", "s0.9"), ("squeezed+sink1", "s0.9"), ("quest", "s0.9")}
+    assert fams == {("full", "-"), ("squeezed", "s0.9"), ("squeezed+sink1", "s0.9"), ("squeezed+token", "s0.9"),
+                    ("quest", "s0.9")}
     # QUEST got Squeezed's measured decode fraction, rounded up to pages (App. F)
     cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
     sq = next(c for c in cells if c["family"] == "squeezed")

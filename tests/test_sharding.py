@@ -52,7 +52,8 @@ def _run_case(case: str, seed: int, timeout: int = 240) -> list[dict]:
 def test_context_parallel_8_devices(rng):
     checks = _run_case("ctx8", int(rng.integers(1 << 30)))
     names = {c["name"] for c in checks}
-    for want in ("calibration/1level", "calibration/hier", "decode/1level/kv", "prefill/1level/kv",
+    for want in ("calibration/1level", "calibration/hier", "calibration/1level/decode", "calibration/hier/decode",
+                 "decode/1level/kv", "prefill/1level/kv",
                  "decode/hier/kv", "prefill/hier/kv", "full", "quest/decode",
                  "quest/prefill", "roundtrip", "overflow",
                  "model_hook", "model_hook/clustered", "clustered/decode/kv/reference",
@@ -120,7 +121,7 @@ def test_gpu_benchmark_without_gpu_is_a_clear_error(tmp_path, capsys):
 
 
 def test_weighted_quantile_is_numpy_quantile(rng):
-    from sqjax.sharding import weighted_quantile
+    from sqjax.calibration import weighted_quantile
     import numpy as np
 
     for _ in range(20):
@@ -224,7 +225,8 @@ def _main(case: str, seed: int) -> None:
 
     def cfg_for(hier):
         return squeezed.SqueezedConfig(sparsity=0.8, centroid_fraction=0.125, n_obs=16, n_sink=2, hierarchical=hier,
-                                       level1_fraction=0.04, kmeans_iters=6, capacity_fraction=1.0, seed=seed % 1000)
+                                       level1_fraction=0.04, kmeans_iters=6, capacity_fraction=1.0, seed=seed % 1000,
+                                       decode_calibration="token")
 
     def strip_level1(layers):
         z = lambda a, shape: jnp.zeros(shape, a.dtype)  # noqa: E731
@@ -259,6 +261,15 @@ def _main(case: str, seed: int) -> None:
             t, t1 = reference_thresholds(eq, q_obs, cfg)
             err = max(abs(info["threshold"] - t) / abs(t), abs(info["threshold1"] - t1) / max(abs(t1), 1e-30))
             add(f"calibration/{tag}", err <= TOL, err=err, T=info["threshold"], T1=info["threshold1"])
+            # decode thresholds (each observation query alone) == the single-device calibration's
+            td, td1, _, _ = squeezed.token_thresholds([eq.layer(i) for i in range(s["layers"])],
+                                                     jnp.asarray(q_obs), cfg, scale)
+            err = max(abs(info["threshold_decode"] - td) / abs(td),
+                      abs(info["threshold1_decode"] - td1) / max(abs(td1), 1e-30))
+            carried = (float(eq.threshold_decode) == float(idx.threshold_decode)
+                       and float(eq.threshold1_decode) == float(idx.threshold1_decode))
+            add(f"calibration/{tag}/decode", err <= TOL and carried and td != info["threshold"], err=err,
+                T_decode=td, T1_decode=td1)
             out[tag] = (idx, eq)
         return out
 
@@ -511,6 +522,8 @@ def _save_load_checks(add, rel, mesh, idx, ks, vs, k_host, compare, seed):
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                zip(jax.tree.leaves(idx2.layers) + [k2, v2], jax.tree.leaves(idx.layers) + [ks, vs]))
     same &= (float(idx2.threshold) == float(idx.threshold) and float(idx2.threshold1) == float(idx.threshold1)
+             and float(idx2.threshold_decode) == float(idx.threshold_decode)
+             and float(idx2.threshold1_decode) == float(idx.threshold1_decode)
              and idx2.capacity == idx.capacity and idx2.n_obs == idx.n_obs and idx2.n_sink == idx.n_sink)
     add("save_load/values", same and meta == {"model": "test", "seed": seed})
     eq2 = sh.to_single_device_index(idx2)
@@ -558,6 +571,10 @@ def _model_hook_check(add, rel, rng, mesh, seed, idx, eq, ks, vs, k_host, v_host
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=n_layers, num_heads=2 * hkv,
                       num_kv_heads=hkv, head_dim=d, max_position_embeddings=4096)
     graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed % 1000)))
+    # decode thresholds well away from the prefill ones: a hook that took the wrong pair would differ
+    far = dict(threshold_decode=idx.threshold * 0.5, threshold1_decode=idx.threshold1)
+    idx = dataclasses.replace(idx, **far)
+    eq = dataclasses.replace(eq, **{k: jnp.float32(v) for k, v in far.items()})
     fc = sh.fixed_context_state(idx, ks, vs)
     scale = 1 / math.sqrt(d)
 
@@ -566,7 +583,8 @@ def _model_hook_check(add, rel, rng, mesh, seed, idx, eq, ks, vs, k_host, v_host
         for b in range(q.shape[0]):
             qb = jnp.swapaxes(q[b], 0, 1)
             qv = (q_pos[b] >= 0) if q.shape[1] > 1 else None
-            ret, _ = squeezed.lookup(eq.layer(layer), qb, eq.threshold, eq.threshold1, scale=scale, vote="kv",
+            t = (eq.threshold_decode, eq.threshold1_decode) if qb.shape[1] == 1 else (eq.threshold, eq.threshold1)
+            ret, _ = squeezed.lookup(eq.layer(layer), qb, *t, scale=scale, vote="kv",
                                      n_tail=eq.n_tail, capacity=eq.capacity, q_valid=qv, n_sink=eq.n_sink)
             o = sparse_attention_reference(qb, jnp.asarray(k_host[layer]), jnp.asarray(v_host[layer]), ret.idx,
                                            ret.count, cache_k[b], cache_v[b], q_pos[b], kv_pos[b], scale=scale)

@@ -2,6 +2,7 @@
 method with their per-call and device-loop timings, dense baselines from the same run, and no
 big array captured as a compile-time constant (the GPU run would embed gigabytes)."""
 
+import dataclasses
 import json
 import os
 
@@ -222,3 +223,23 @@ def test_merge_runs_joins_split_runs_of_one_commit(tmp_path):
     assert [r["tag"] for r in merged["kernels"]] == [1, 2, 3] and (tmp_path / "m" / "speed.md").is_file()
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "m2")])
+
+
+def test_offline_section_times_the_decode_calibration_too():
+    """The offline section builds 1-level and hierarchical indexes with App. C's calibration and
+    with decode thresholds, records what each keeps on its calibration queries, and tabulates it."""
+    from benchmarks.speed import KeySource, cpu_plan, offline_cost, to_markdown
+
+    plan = dataclasses.replace(cpu_plan(), backend="reference")
+    off = offline_cost(plan, KeySource(None, plan), log=lambda *a: None)
+    for name in ("squeezed", "hsqueezed", "squeezed_token", "hsqueezed_token"):
+        assert off[f"{name}_seconds"] > 0 and off[f"{name}_seconds_warm"] > 0
+        assert 0 < off[f"{name}_calibrated_kept"] < 0.3
+    for name in ("squeezed_token", "hsqueezed_token"):
+        # the same clusters and App. C threshold; the decode pair keeps ~1 - sparsity of single queries
+        assert off[f"{name}_threshold"] == off[name.replace("_token", "") + "_threshold"]
+        assert abs(off[f"{name}_decode_kept"] - 0.1) < 0.02 and off[f"{name}_decode_queries"] == 100
+    res = {"plan": dataclasses.asdict(plan), "meta": {"device": "cpu", "jax": "x", "git_commit": "c"},
+           "keys": "gaussian", "offline": {k: v for k, v in off.items() if not k.endswith("_index") and k != "data"}}
+    md = to_markdown(res)
+    assert "With decode thresholds" in md and "| hsqueezed |" in md

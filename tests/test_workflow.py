@@ -62,6 +62,25 @@ def test_squeezed_with_zero_threshold_reproduces_full(full_ctx, hier, rng):
     np.testing.assert_allclose(ctx.score_ids(cont, mode="decode"), full_ctx.score_ids(cont), atol=1e-4)
 
 
+@pytest.mark.parametrize("hier", [False, True])
+def test_decode_steps_select_with_the_decode_thresholds(full_ctx, hier, rng):
+    """decode_calibration="token": one-token steps use (threshold_decode, threshold1_decode), blocks
+    use App. C's pair. Each pair in turn retrieves everything while the other retrieves nothing."""
+    make = HierarchicalSqueezed if hier else Squeezed
+    ctx = full_ctx.with_method(make(sparsity=0.5, capacity_fraction=1.0, decode_calibration="token"))
+    assert ctx.index.threshold_decode is not None and ctx.method.label.endswith("/token")
+    cont = rng.integers(100, 40000, size=9).astype(np.int32)
+    ref = full_ctx.score_ids(cont)
+    everything, nothing = dict(t=jnp.float32(-1.0), t1=jnp.float32(0.0)), dict(t=jnp.float32(2.0), t1=jnp.float32(2.0))
+    for phase, other in (("decode", "prefill"), ("prefill", "decode")):
+        a, b = (everything, nothing) if phase == "decode" else (nothing, everything)
+        ctx.index = dataclasses.replace(ctx.index, threshold_decode=a["t"], threshold1_decode=a["t1"],
+                                        threshold=b["t"], threshold1=b["t1"])
+        ctx._state = {**ctx._state, "index": ctx.index}
+        np.testing.assert_allclose(ctx.score_ids(cont, mode=phase), ref, atol=1e-4)
+        assert np.max(np.abs(ctx.score_ids(cont, mode=other) - ref)) > 1e-2, other
+
+
 def test_questions_reuse_one_prefill(model, monkeypatch):
     calls = []
     real = fc._prefill_document
@@ -152,6 +171,7 @@ def test_ask_carried_step_matches_the_plain_loop(model, temperature, top_p):
 
 
 @pytest.mark.parametrize("method", [Squeezed(sparsity=0.8, n_sink=1), HierarchicalSqueezed(sparsity=0.8),
+                                    Squeezed(sparsity=0.8, decode_calibration="token"),
                                     Quest(budget=0.25), Saap(probes=4), SnapKV(budget=0.3)], ids=lambda m: m.label)
 def test_save_load_roundtrip_token_for_token(model, full_ctx, method, tmp_path):
     ctx = full_ctx.with_method(method) if method.name != "squeezed" else FixedContext.build(model, DOC, method, chat=True)
@@ -163,6 +183,8 @@ def test_save_load_roundtrip_token_for_token(model, full_ctx, method, tmp_path):
     b = loaded.ask(q, max_new_tokens=6, stop_ids=())
     assert a.token_ids == b.token_ids
     assert loaded.method == ctx.method and loaded.n_tokens == ctx.n_tokens
+    # every array comes back in its shape (safetensors alone returns 0-d thresholds as [1])
+    assert all(a.shape == b.shape for a, b in zip(jax.tree.leaves(loaded.index), jax.tree.leaves(ctx.index)))
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -266,13 +288,17 @@ def test_save_is_atomic(full_ctx, tmp_path, monkeypatch):
 def test_fused_clustered_decode_path_equals_reference(model, hierarchical):
     """The GPU decode path (cluster-contiguous layout + fused Pallas kernel, run here in the
     interpreter; hierarchical: its lookup kernels select, the same attention kernel attends)
-    gives the same logits as the reference path through the whole model."""
+    gives the same logits as the reference path through the whole model, both with the decode
+    thresholds (`decode_calibration="token"`, here set well apart from App. C's pair)."""
     from models.forward import forward_jit
     from sqjax.fixed_context import attention_state
     from sqjax.methods import HierarchicalSqueezed
 
     make = HierarchicalSqueezed if hierarchical else Squeezed
-    ctx = FixedContext.build(model, DOC, make(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
+    ctx = FixedContext.build(model, DOC, make(sparsity=0.8, n_sink=1, capacity_fraction=1.0, decode_calibration="token"),
+                             chat=False)
+    ctx.index = dataclasses.replace(ctx.index, threshold_decode=ctx.index.threshold * 0.5)
+    ctx._state = {**ctx._state, "index": ctx.index}
     states = {"reference": ctx._state,
               "interpret": attention_state(ctx.data.k, ctx.data.v, ctx.index, clustered_layout=True)}
     assert ("level1" in states["interpret"]) == hierarchical
