@@ -176,6 +176,7 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
         if "threshold_decode" in info:
             out[f"{name}_threshold_decode"] = float(info["threshold_decode"])
             out[f"{name}_decode_kept"] = float(np.mean(np.asarray(info["decode_retrieved_fraction"])))
+            out[f"{name}_decode_kept_app_c"] = float(np.mean(np.asarray(info["decode_retrieved_fraction_app_c"])))
             out[f"{name}_decode_queries"] = int(info["decode_calibration_queries"])
         # the same build again, compiled: what each further document of this shape costs
         t0 = time.perf_counter()
@@ -1056,14 +1057,15 @@ def to_markdown(res: dict) -> str:
                f"{secs('squeezed_seconds_warm')} | {secs('hsqueezed_seconds')} | {secs('hsqueezed_seconds_warm')} |", ""]
         if "squeezed_token_seconds" in off:
             md += ["With decode thresholds (`decode_calibration=\"token\"`: each calibration query alone also "
-                   "sets T, T1 for decode steps). Kept: mean retrieved fraction of the clustered keys on the "
-                   "calibration queries, as one 100-query block at T and each query alone at the decode T.", "",
-                   "| build | first build | compiled | kept, block at T | kept, single queries at decode T |",
-                   "|---|---|---|---|---|"]
+                   "sets T, T1 for decode steps). Kept: mean retrieved fraction of the clustered keys by each "
+                   "calibration query alone (a decode step), at App. C's pair and at the decode pair.", "",
+                   "| build | first build | compiled | App. C T | decode T | single query kept at App. C's T "
+                   "| at the decode T |", "|---|---|---|---|---|---|---|"]
             for name in ("squeezed_token", "hsqueezed_token"):
                 if f"{name}_seconds" in off:
                     md.append(f"| {name.replace('_token', '')} | {secs(name + '_seconds')} | "
-                              f"{secs(name + '_seconds_warm')} | {off[name + '_calibrated_kept']:.4f} | "
+                              f"{secs(name + '_seconds_warm')} | {off[name + '_threshold']:.3g} | "
+                              f"{off[name + '_threshold_decode']:.3g} | {off[name + '_decode_kept_app_c']:.4f} | "
                               f"{off[name + '_decode_kept']:.4f} |")
             md.append("")
     rows = [r for r in res.get("kernels", []) if "method" in r]

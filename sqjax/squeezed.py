@@ -489,13 +489,14 @@ def _per_token(fn, q: jax.Array) -> jax.Array:
         return jax.vmap(lambda qt: fn(qt[:, None, :]), in_axes=1)(q)
 
 
-def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale: float):
+def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale: float, app_c=None):
     """Decode thresholds: App. C's quantiles with each observation query a block of its own.
 
     layers: per-layer `SqueezedLayerIndex`; q_obs [Lyr, Hq, n, d]. T1 prunes `level1_prune` and T
     `sparsity` of the pooled (query, layer, head, key) scores of single queries, each key scoring
     its cluster's Eq. 1 (Eq. 2 for T1: its parent's; Eq. 3 under T1 for T).
-    -> (T, T1, retrieved fraction [Lyr, Hs] of single calibration queries at T, queries used).
+    -> (T, T1, retrieved fraction [Lyr, Hs] of single calibration queries at (T, T1), queries used,
+    the same fraction at the pair `app_c` (App. C's T, T1: what decode reads without these) or None).
     """
     from sqjax.calibration import weighted_quantile
 
@@ -504,10 +505,17 @@ def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale:
     cols = jnp.asarray(token_queries(q_obs.shape[2], len(layers) * hs * n_c), jnp.int32)
     qs = [jnp.take(q_obs[i], cols, axis=1) for i in range(len(layers))]
     w = [np.broadcast_to(np.asarray(per_selection_head(li.counts, hs)), (cols.shape[0], hs, n_c)) for li in layers]
+    lc = float(np.asarray(layers[0].counts[0]).sum())
 
     def quantile(scores, frac):
         return weighted_quantile(np.concatenate([np.asarray(x).ravel() for x in scores]),
                                  np.concatenate([x.ravel() for x in w]), frac)
+
+    def scores_at(t1):  # [n, Hs, C] per layer
+        return [_per_token(lambda qt, li=li: layer_scores(li, qt, t1, scale, cfg.vote)[0], q) for li, q in zip(layers, qs)]
+
+    def kept(scores, t):  # [Lyr, Hs]
+        return np.stack([np.where(np.asarray(x) > t, wi, 0).sum(-1).mean(0) / lc for x, wi in zip(scores, w)])
 
     t1 = 0.0
     if cfg.hierarchical:
@@ -515,11 +523,12 @@ def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale:
             cluster_scores(qt, li.centroids1, li.counts1, scale, cfg.vote), per_selection_head(li.parent, hs), axis=-1),
             q) for li, q in zip(layers, qs)]
         t1 = quantile(parent_scores, cfg.level1_prune)
-    scores = [_per_token(lambda qt, li=li: layer_scores(li, qt, t1, scale, cfg.vote)[0], q) for li, q in zip(layers, qs)]
+    scores = scores_at(t1)
     t = quantile(scores, cfg.sparsity)
-    lc = float(np.asarray(layers[0].counts[0]).sum())
-    frac = np.stack([np.where(np.asarray(x) > t, wi, 0).sum(-1).mean(0) / lc for x, wi in zip(scores, w)])
-    return t, t1, frac, int(cols.shape[0])
+    at_app_c = None
+    if app_c is not None:
+        at_app_c = kept(scores if float(app_c[1]) == t1 else scores_at(float(app_c[1])), float(app_c[0]))
+    return t, t1, kept(scores, t), int(cols.shape[0]), at_app_c
 
 
 def build_squeezed_index(
@@ -556,9 +565,9 @@ def build_squeezed_index(
     frac = jnp.stack([jnp.mean((p > threshold).astype(jnp.float32), axis=-1) for p in per_key])  # [Lyr, Hs]
     decode = {}
     if cfg.decode_calibration == "token":
-        td, td1, dfrac, n_q = token_thresholds(per_layer, q_obs, cfg, scale)
+        td, td1, dfrac, n_q, app_c = token_thresholds(per_layer, q_obs, cfg, scale, (threshold, threshold1))
         decode = {"threshold_decode": td, "threshold1_decode": td1, "decode_retrieved_fraction": jnp.asarray(dfrac),
-                  "decode_calibration_queries": n_q}
+                  "decode_calibration_queries": n_q, "decode_retrieved_fraction_app_c": jnp.asarray(app_c)}
     lc = k.shape[2] - cfg.n_obs - cfg.n_sink
     cap_frac = cfg.capacity_fraction
     if cap_frac is None:  # the capacity serves both phases

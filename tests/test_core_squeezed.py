@@ -329,6 +329,11 @@ def test_token_calibration_is_the_single_query_quantile(rng, hierarchical):
     assert info["threshold1_decode"] == pytest.approx(t1, rel=1e-6)
     assert info["decode_calibration_queries"] == n_obs
     kept = np.mean([float(jnp.mean(x > t)) for x in keys])
+    # what single queries read at App. C's pair (the decode budget without decode thresholds)
+    at_app_c = [key_scores(squeezed.layer_scores(li, q_obs[i][:, j:j + 1], idx.threshold1, scale, "kv")[0], li.labels)
+                for i, li in enumerate(per) for j in range(n_obs)]
+    want = np.mean([float(jnp.mean(x > idx.threshold)) for x in at_app_c])
+    assert np.mean(np.asarray(info["decode_retrieved_fraction_app_c"])) == pytest.approx(want, abs=1e-6)
     assert abs(kept - 0.2) < 0.01 and np.mean(np.asarray(info["decode_retrieved_fraction"])) == pytest.approx(kept, abs=1e-6)
     assert idx.thresholds(1) == (idx.threshold_decode, idx.threshold1_decode)
     assert idx.thresholds(7) == (idx.threshold, idx.threshold1)

@@ -262,14 +262,19 @@ def _main(case: str, seed: int) -> None:
             err = max(abs(info["threshold"] - t) / abs(t), abs(info["threshold1"] - t1) / max(abs(t1), 1e-30))
             add(f"calibration/{tag}", err <= TOL, err=err, T=info["threshold"], T1=info["threshold1"])
             # decode thresholds (each observation query alone) == the single-device calibration's
-            td, td1, _, _ = squeezed.token_thresholds([eq.layer(i) for i in range(s["layers"])],
-                                                     jnp.asarray(q_obs), cfg, scale)
+            td, td1, dfrac, _, app_c = squeezed.token_thresholds([eq.layer(i) for i in range(s["layers"])],
+                                                                jnp.asarray(q_obs), cfg, scale, (t, t1))
+            _, lcs = sh._shard_sizes(length, sh.mesh_shape(mesh)[0], cfg.n_sink, cfg.n_obs)
+            overall = lambda f: (f * np.asarray(lcs)).sum(-1) / sum(lcs)  # noqa: E731  per-device -> whole context
             err = max(abs(info["threshold_decode"] - td) / abs(td),
                       abs(info["threshold1_decode"] - td1) / max(abs(td1), 1e-30))
+            # the same fractions, up to a cluster whose score sits within rounding of a threshold
+            frac_err = max(float(np.max(np.abs(overall(info["decode_retrieved_fraction"]) - dfrac))),
+                           float(np.max(np.abs(overall(info["decode_retrieved_fraction_app_c"]) - app_c))))
             carried = (float(eq.threshold_decode) == float(idx.threshold_decode)
                        and float(eq.threshold1_decode) == float(idx.threshold1_decode))
-            add(f"calibration/{tag}/decode", err <= TOL and carried and td != info["threshold"], err=err,
-                T_decode=td, T1_decode=td1)
+            add(f"calibration/{tag}/decode", err <= TOL and frac_err <= 0.02 and carried and td != info["threshold"],
+                err=err, frac_err=frac_err, T_decode=td, T1_decode=td1)
             out[tag] = (idx, eq)
         return out
 

@@ -239,6 +239,7 @@ def test_offline_section_times_the_decode_calibration_too():
         # the same clusters and App. C threshold; the decode pair keeps ~1 - sparsity of single queries
         assert off[f"{name}_threshold"] == off[name.replace("_token", "") + "_threshold"]
         assert abs(off[f"{name}_decode_kept"] - 0.1) < 0.02 and off[f"{name}_decode_queries"] == 100
+        assert 0 < off[f"{name}_decode_kept_app_c"] < 1
     res = {"plan": dataclasses.asdict(plan), "meta": {"device": "cpu", "jax": "x", "git_commit": "c"},
            "keys": "gaussian", "offline": {k: v for k, v in off.items() if not k.endswith("_index") and k != "data"}}
     md = to_markdown(res)
