@@ -260,6 +260,47 @@ def test_other_version_and_other_model(model, full_ctx, tmp_path):
         FixedContext.load(path, dataclasses.replace(model, dtype=jnp.bfloat16))
 
 
+def test_index_from_before_decode_thresholds_loads(model, full_ctx, tmp_path, rng):
+    """A file written before `threshold_decode` existed (no such fields, 0-d arrays without a
+    recorded shape) loads, and selects with App. C's pair in both phases."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from sqjax import index_io
+
+    path = _write_index(full_ctx, tmp_path)
+    with safe_open(str(path), framework="numpy") as f:
+        meta = dict(f.metadata())
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+
+    def strip(node):
+        if isinstance(node, dict):
+            node.pop("shape", None)
+            if node.get("cls") == "SqueezedIndex":
+                for k in ("threshold_decode", "threshold1_decode"):
+                    node["fields"].pop(k)
+            for v in list(node.values()):
+                if isinstance(v, (dict, list)):
+                    strip(v)
+        elif isinstance(node, list):
+            for v in node:
+                strip(v)
+
+    structure = json.loads(meta["structure"])
+    strip(structure)
+    meta["structure"] = json.dumps(structure)
+    meta["sha256"] = index_io._checksum(arrays, meta["structure"], meta["header"])
+    old = tmp_path / "before.sqx"
+    save_file(arrays, str(old), metadata=meta)
+    loaded = FixedContext.load(old, model)
+    assert loaded.index.threshold_decode is None and loaded.index.thresholds(1) == loaded.index.thresholds(8)
+    cont = rng.integers(100, 40000, size=6).astype(np.int32)
+    np.testing.assert_allclose(loaded.score_ids(cont, mode="decode"),
+                               FixedContext.load(path, model).score_ids(cont, mode="decode"), atol=1e-6)
+
+
 def test_save_is_atomic(full_ctx, tmp_path, monkeypatch):
     import safetensors.numpy as stn
 
