@@ -52,6 +52,7 @@ METHOD_NAMES = ("full", "squeezed", "hsqueezed", "quest", "snapkv", "saap", "str
 FAMILIES = {
     "full": "full",
     "squeezed": "squeezed", "squeezed+sink1": "squeezed", "squeezed+token": "squeezed",
+    "squeezed+sink1+token": "squeezed",
     "hsqueezed": "hsqueezed", "hsqueezed+sink1": "hsqueezed",
     "quest": "quest", "snapkv": "snapkv", "streaming": "streaming", "oracle": "oracle",
     "saap-nc": "saap", "saap-clf": "saap",
@@ -115,7 +116,7 @@ def plan(settings: Settings, levels=None) -> list[tuple[str, str]]:
     """(family, level) cells in run order: full, the Squeezed family (sets matched budgets), the rest."""
     levels = settings.levels if levels is None else levels
     cells = [("full", "-")]
-    for fam in ("squeezed", "squeezed+sink1", "squeezed+token"):
+    for fam in ("squeezed", "squeezed+sink1", "squeezed+token", "squeezed+sink1+token"):
         cells += [(fam, level_name(s)) for s in levels]
     for fam, sink in (("hsqueezed", 0), ("hsqueezed+sink1", 1)):
         if sink in settings.hier_sinks:
@@ -155,7 +156,7 @@ def make_method(family: str, level: str, settings: Settings, matched: dict | Non
         p = int(level[1:])
         return Saap(probes=p, classifier=settings.classifier if family == "saap-clf" else None)
     s = float(level[1:])
-    sink = 1 if family.endswith("+sink1") else 0
+    sink = 1 if "+sink1" in family else 0
     if family.startswith("squeezed"):
         # +token: decode steps select with thresholds calibrated on single queries
         return Squeezed(sparsity=s, n_sink=sink, capacity_fraction=settings.capacity_fraction,
@@ -448,7 +449,7 @@ def _passkey_matched(store: Store, setup: str, doc: str) -> dict:
 # Aggregation and report
 # ---------------------------------------------------------------------------------------------
 
-FAMILY_ORDER = ["full", "squeezed", "squeezed+sink1", "squeezed+token", "hsqueezed", "hsqueezed+sink1", "quest", "snapkv", "oracle",
+FAMILY_ORDER = ["full", "squeezed", "squeezed+sink1", "squeezed+token", "squeezed+sink1+token", "hsqueezed", "hsqueezed+sink1", "quest", "snapkv", "oracle",
                 "streaming", "saap-nc", "saap-clf"]
 
 
@@ -710,7 +711,7 @@ def report(out: Path, store: Store, settings: Settings, meta: dict) -> dict:
         records = [r for r in records if r["doc"] in docs]
     rows = aggregate(records)
     h2h = []
-    for a in ("squeezed", "squeezed+sink1", "squeezed+token", "hsqueezed", "hsqueezed+sink1"):
+    for a in ("squeezed", "squeezed+sink1", "squeezed+token", "squeezed+sink1+token", "hsqueezed", "hsqueezed+sink1"):
         for mode in ("decode", "prefill"):
             h2h += head_to_head(records, a, "quest", mode)
     pk_records = store.of_kind("passkey", settings.passkey_key())

@@ -164,7 +164,7 @@ def test_run_is_resumable(model, tmp_path, monkeypatch):
     first = Q.run(model, docs, st, tmp_path, progress=False, log=lambda *a: None)
     fams = {(f, lv) for _, f, lv in first["computed"]}
     assert fams == {("full", "-"), ("squeezed", "s0.9"), ("squeezed+sink1", "s0.9"), ("squeezed+token", "s0.9"),
-                    ("quest", "s0.9")}
+                    ("squeezed+sink1+token", "s0.9"), ("quest", "s0.9")}
     # QUEST got Squeezed's measured decode fraction, rounded up to pages (App. F)
     cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
     sq = next(c for c in cells if c["family"] == "squeezed")
