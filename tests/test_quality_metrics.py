@@ -75,7 +75,12 @@ def test_plan_and_settings_from_args():
                             classifier=None, quick=False, out="x", json=False)
     s = Q.settings_from_args(ns)
     assert s.levels == (0.9, 0.7)
-    assert {f for f, _ in Q.plan(s)} == {"full", "squeezed", "squeezed+sink1", "quest"}
+    assert {f for f, _ in Q.plan(s)} == {"full", "squeezed", "squeezed+sink1", "squeezed+token", "squeezed+sink1+token",
+                                         "quest"}
+    # the +token families are Squeezed with decode thresholds; +sink1 keeps the first token exact
+    m = Q.make_method("squeezed+sink1+token", "s0.9", s)
+    assert m.n_sink == 1 and m.decode_calibration == "token"
+    assert Q.make_method("squeezed+token", "s0.9", s).n_sink == 0
     with pytest.raises(ValueError, match="unknown method"):
         Q.settings_from_args(argparse.Namespace(methods=["nope"]))
     with pytest.raises(FileNotFoundError):
