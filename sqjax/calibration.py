@@ -80,7 +80,7 @@ def weighted_quantile(values, weights, q: float) -> float:
     """Exact `np.quantile(np.repeat(values, weights), q, method="linear")` without the repeat.
 
     values/weights: arrays of any (equal) shape; weights are non-negative integers. Large inputs
-    (the per-token decode calibration pools ~10^8 cluster scores at 128K × 32 layers) are not
+    (the per-token decode calibration pools up to 2^26 cluster scores) are not
     sorted whole: a strided sample brackets the two ranks needed, one pass counts the weight below
     the bracket, and only the entries inside it are sorted; the counts verify the bracket, so the
     result is the same as the full sort's.

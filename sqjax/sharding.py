@@ -1106,47 +1106,47 @@ def calibrate_sharded(layers: ShardedLayerIndex, q_obs, cfg: squeezed.SqueezedCo
                for i, li in enumerate(per_layer)]
         return [(_host(s), _host(s1)) for s, s1 in out]
 
-    def weights(res):
-        return [np.broadcast_to(np.repeat(c, r[0].shape[-2] // c.shape[0], axis=0), r[0].shape)
-                for c, r in zip(counts, res)]
+    def weights(shape):
+        """Per-layer cluster sizes broadcast to the scores' shape ([Hs, P·C] or [n, Hs, P·C]), and
+        all of them pooled."""
+        w = [np.broadcast_to(np.repeat(c, shape[-2] // c.shape[0], axis=0), shape) for c in counts]
+        return w, np.concatenate([x.ravel() for x in w])
 
-    def quantile(res, j, frac):
-        return weighted_quantile(np.concatenate([r[j].ravel() for r in res]),
-                                 np.concatenate([x.ravel() for x in weights(res)]), frac)
+    def quantile(res, j, w_flat, frac):
+        return weighted_quantile(np.concatenate([r[j].ravel() for r in res]), w_flat, frac)
 
-    def kept(res, t):
+    def kept(res, w, t):
         """Retrieved fraction of each device's clustered keys at T: [layers, Hs, P] (mean over tokens)."""
         c = counts[0].shape[-1] // n_ctx
         return np.stack([
             (np.where(r[0] > t, wi, 0).reshape(wi.shape[:-1] + (n_ctx, c)).sum(-1) / np.asarray(lcs))
-            .reshape(-1, wi.shape[-2], n_ctx).mean(0) for r, wi in zip(res, weights(res))
+            .reshape(-1, wi.shape[-2], n_ctx).mean(0) for r, wi in zip(res, w)
         ])
 
     def calibrate(qs, per_token=False):
-        """(T, T1, retrieved fraction, scores) App. C's way on the blocks qs (`per_token`: each
-        token alone, the fraction averaged over them)."""
+        """(T, T1, retrieved fraction, scores, weights) App. C's way on the blocks qs (`per_token`:
+        each token alone, the fraction averaged over them)."""
+        res = pairs(0.0, qs, per_token)
+        w, w_flat = weights(res[0][0].shape)
         t1 = 0.0
         if hier:
-            t1 = quantile(pairs(0.0, qs, per_token), 1, cfg.level1_prune)
-        res = pairs(t1, qs, per_token)
-        t = quantile(res, 0, cfg.sparsity)
-        return t, t1, kept(res, t), res
+            t1 = quantile(res, 1, w_flat, cfg.level1_prune)
+            res = pairs(t1, qs, per_token)
+        t = quantile(res, 0, w_flat, cfg.sparsity)
+        return t, t1, kept(res, w, t), res, w
 
-    threshold, threshold1, frac, _ = calibrate(q_obs)
-    decode, seen = {}, float(frac.max())
+    threshold, threshold1, frac, _, _ = calibrate(q_obs)
+    decode = {}
     if cfg.decode_calibration == "token":
         hs = squeezed.selection_heads(q_obs.shape[1], counts[0].shape[0], vote)
         cols = squeezed.token_queries(q_obs.shape[2], n_layers * hs * counts[0].shape[-1])
         q_tok = q_obs[:, :, np.asarray(cols)]
-        td, td1, dfrac, res = calibrate(q_tok, per_token=True)
+        td, td1, dfrac, res, w = calibrate(q_tok, per_token=True)
         res_app_c = res if threshold1 == td1 else pairs(threshold1, q_tok, True)
         decode = {"threshold_decode": td, "threshold1_decode": td1, "decode_retrieved_fraction": dfrac,
                   "decode_calibration_queries": len(cols),
-                  "decode_retrieved_fraction_app_c": kept(res_app_c, threshold)}
-        seen = max(seen, float(dfrac.max()))
-    cap_frac = cfg.capacity_fraction
-    if cap_frac is None:  # the capacity serves both phases
-        cap_frac = min(1.0, 1.5 * seen + 0.05)
+                  "decode_retrieved_fraction_app_c": kept(res_app_c, w, threshold)}
+    cap_frac = cfg.capacity_fraction_for(frac, *([decode["decode_retrieved_fraction"]] if decode else []))
     n_exact = max((cfg.n_sink if p == 0 else 0) + (cfg.n_obs if p == n_ctx - 1 else 0) for p in range(n_ctx))
     capacity = min(ls, n_exact + int(math.ceil(cap_frac * max(lcs))))
     rep = NamedSharding(mesh, P())

@@ -383,6 +383,14 @@ class SqueezedConfig:
         if self.capacity_fraction is not None:
             check_fraction("capacity_fraction", self.capacity_fraction, inclusive_high=True)
 
+    def capacity_fraction_for(self, *retrieved_fractions) -> float:
+        """`capacity_fraction`, or from calibration: 1.5 × the largest retrieved fraction of any
+        phase calibrated (arrays of per-head fractions) + 5 points, at most 1."""
+        if self.capacity_fraction is not None:
+            return self.capacity_fraction
+        seen = max(float(np.max(np.asarray(f))) for f in retrieved_fractions)
+        return min(1.0, 1.5 * seen + 0.05)
+
     def n_clusters(self, n_clustered: int) -> tuple[int, int]:
         """(C2, C1) for `n_clustered` keys; C1 = 0 without hierarchy."""
         c2 = self.n_centroids if self.n_centroids is not None else max(1, round(self.centroid_fraction * n_clustered))
@@ -505,11 +513,11 @@ def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale:
     cols = jnp.asarray(token_queries(q_obs.shape[2], len(layers) * hs * n_c), jnp.int32)
     qs = [jnp.take(q_obs[i], cols, axis=1) for i in range(len(layers))]
     w = [np.broadcast_to(np.asarray(per_selection_head(li.counts, hs)), (cols.shape[0], hs, n_c)) for li in layers]
+    w_flat = np.concatenate([x.ravel() for x in w])  # the pooled weights, once (up to 2^26 entries)
     lc = float(np.asarray(layers[0].counts[0]).sum())
 
     def quantile(scores, frac):
-        return weighted_quantile(np.concatenate([np.asarray(x).ravel() for x in scores]),
-                                 np.concatenate([x.ravel() for x in w]), frac)
+        return weighted_quantile(np.concatenate([np.asarray(x).ravel() for x in scores]), w_flat, frac)
 
     def scores_at(t1):  # [n, Hs, C] per layer
         return [_per_token(lambda qt, li=li: layer_scores(li, qt, t1, scale, cfg.vote)[0], q) for li, q in zip(layers, qs)]
@@ -569,10 +577,7 @@ def build_squeezed_index(
         decode = {"threshold_decode": td, "threshold1_decode": td1, "decode_retrieved_fraction": jnp.asarray(dfrac),
                   "decode_calibration_queries": n_q, "decode_retrieved_fraction_app_c": jnp.asarray(app_c)}
     lc = k.shape[2] - cfg.n_obs - cfg.n_sink
-    cap_frac = cfg.capacity_fraction
-    if cap_frac is None:  # the capacity serves both phases
-        seen = max([float(jnp.max(frac))] + ([float(jnp.max(decode["decode_retrieved_fraction"]))] if decode else []))
-        cap_frac = min(1.0, 1.5 * seen + 0.05)
+    cap_frac = cfg.capacity_fraction_for(frac, *([decode["decode_retrieved_fraction"]] if decode else []))
     capacity = cfg.n_sink + cfg.n_obs + int(min(lc, -(-cap_frac * lc // 1)))
     index = SqueezedIndex(layers, jnp.float32(threshold), jnp.float32(threshold1), cfg.n_obs, capacity, cfg.n_sink,
                           *((jnp.float32(decode["threshold_decode"]), jnp.float32(decode["threshold1_decode"]))
