@@ -70,6 +70,7 @@ class Settings:
     levels: tuple = (0.7, 0.8, 0.9)          # Squeezed sparsities
     hier_levels: tuple = (0.9,)
     hier_sinks: tuple = (1,)       # n_sink of the hierarchical rows (0 = the paper's exact algorithm)
+    hier_level1_prune: float = 0.5  # keys level 1 rules out on calibration (paper: 0.5; its kernel Table 9: 0.9)
     streaming_levels: tuple | None = (0.7, 0.9)  # None = every level
     saap_probes: tuple = (8, 16)
     classifier: str | None = None
@@ -88,6 +89,8 @@ class Settings:
     def setup_key(self) -> str:
         """Hash of what makes a finished cell valid (resumability)."""
         d = {k: getattr(self, k) for k in ("context_tokens", "continuation", "answer_tokens", "capacity_fraction")}
+        if self.hier_level1_prune != 0.5:  # (keys of runs at the default stay what they were)
+            d["hier_level1_prune"] = self.hier_level1_prune
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def passkey_key(self) -> str:
@@ -162,7 +165,8 @@ def make_method(family: str, level: str, settings: Settings, matched: dict | Non
         return Squeezed(sparsity=s, n_sink=sink, capacity_fraction=settings.capacity_fraction,
                         decode_calibration="token" if family.endswith("+token") else "window")
     if family.startswith("hsqueezed"):
-        return HierarchicalSqueezed(sparsity=s, n_sink=sink, capacity_fraction=settings.capacity_fraction)
+        return HierarchicalSqueezed(sparsity=s, n_sink=sink, capacity_fraction=settings.capacity_fraction,
+                                    level1_prune=settings.hier_level1_prune)
     frac = (matched or {}).get(level)
     if frac is None:
         frac = nominal_fraction(s, length)
@@ -794,6 +798,8 @@ def settings_from_args(args) -> Settings:
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = int(v)
+    if getattr(args, "level1_prune", None) is not None:
+        kw["hier_level1_prune"] = float(args.level1_prune)
     if getattr(args, "saap_probes", None):
         kw["saap_probes"] = tuple(int(p) for p in args.saap_probes)
     if getattr(args, "passkey_lengths", None):
@@ -847,6 +853,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--continuation", type=int, default=None)
     p.add_argument("--answer-tokens", type=int, default=None)
     p.add_argument("--saap-probes", nargs="*", type=int, default=None)
+    p.add_argument("--level1-prune", type=float, default=None,
+                   help="hierarchical rows: fraction of keys level 1 rules out on calibration (default 0.5)")
     p.add_argument("--passkey-lengths", nargs="*", type=int, default=None)
     p.add_argument("--passkey-trials", type=int, default=None)
     p.add_argument("--passkey-eval-lengths", type=int, default=None)
