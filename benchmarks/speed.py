@@ -662,7 +662,7 @@ def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
     forward with captures, the first token's sampling and its read on the host."""
     from sqjax.fixed_context import _first_token, _left_pad
 
-    padded = _left_pad(ctx._question_ids(question))
+    padded = _left_pad([ctx._question_ids(question)])[0]
     out = {}
     for label, capture in (("with_captures", None), ("without_captures", False)):
         times = []
@@ -680,7 +680,7 @@ def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
         t1 = time.perf_counter()
         lg, cache, caps = jax.block_until_ready(ctx._run(padded, ctx.n_tokens, cache, capture=None, logits="last"))
         t2 = time.perf_counter()
-        int(_first_token(lg, jax.random.key(0), jnp.float32(0.0), jnp.float32(1.0), greedy=True, use_top_p=False))
+        int(_first_token(lg, jax.random.key(0), jnp.float32(0.0), jnp.float32(1.0), greedy=True, use_top_p=False)[0])
         stages.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         del cache, caps
     med = np.median(np.asarray(stages[1:]), axis=0)

@@ -181,19 +181,28 @@ def cmd_ask(args) -> int:
         raise SqjaxError(str(e)) from None
     model = sqjax.load_model(args.model or header.get("model_source") or "smollm2-135m")
     ctx = FixedContext.load(path, model)   # loaded (and compiled) once for every question
-    stream = None if args.json else (lambda s: print(s, end="", flush=True))
-    for q in questions:
-        if len(questions) > 1 and not args.json:
-            print(f"Q: {q}")
-        ans = ctx.ask(q, max_new_tokens=args.max_new_tokens, on_token=stream)
-        if args.json:   # JSON Lines: one object per question, printed as soon as it is answered
-            print(json.dumps({"question": q, "answer": str(ans), "token_ids": ans.token_ids,
-                              "stats": ans.stats.to_dict()}, default=float), flush=True)
-        else:
+    batch = args.batch
+    if batch < 1:
+        raise SqjaxError(f"--batch must be >= 1; got {batch}")
+    # batch 1: each answer streams as it is generated; larger batches print each answer when its batch ends
+    stream = None if args.json or batch > 1 else (lambda _i, s: print(s, end="", flush=True))
+    for start in range(0, len(questions), batch):
+        group = questions[start:start + batch]
+        if batch == 1 and len(questions) > 1 and not args.json:
+            print(f"Q: {group[0]}")
+        answers = ctx.ask_many(group, max_new_tokens=args.max_new_tokens, on_token=stream)
+        for q, ans in zip(group, answers):
+            if args.json:   # JSON Lines: one object per question, printed as soon as its batch is answered
+                print(json.dumps({"question": q, "answer": str(ans), "token_ids": ans.token_ids,
+                                  "stats": ans.stats.to_dict()}, default=float), flush=True)
+                continue
+            if batch > 1:
+                print(f"Q: {q}\n{ans}", end="")
             s = ans.stats
             print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, "
-                  f"{1e3 * s.time_per_output_token_s:.1f} ms/token{', OVERFLOW' if s.overflow else ''}]"
-                  + ("\n" if len(questions) > 1 else ""))
+                  f"{1e3 * s.time_per_output_token_s:.1f} ms/token"
+                  + (f" for {len(group)} answers" if len(group) > 1 else "")
+                  + f"{', OVERFLOW' if s.overflow else ''}]" + ("\n" if len(questions) > 1 else ""))
     return 0
 
 
@@ -261,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "With --json, one JSON object per question and line")
     a.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")
     a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--batch", type=int, default=1,
+                   help="answer this many questions at a time in one batch (one model step makes a token for "
+                        "each; answers print when their batch ends). Default 1: each answer streams")
     a.set_defaults(fn=cmd_ask)
 
     e = sub.add_parser("eval", help="quality of every method at matched KV budgets vs full attention")

@@ -264,24 +264,30 @@ class FixedContext:
                    attn_state=self._state, capture_last=capture, logits=logits)
 
     def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool, logits: str = "all"):
-        """Forward `ids` (−1 = left padding) at positions start_pos.. through the sparse hook."""
+        """Forward `ids` [n] or [B, n] (−1 = left padding) at positions start_pos.. (per row)
+        through the sparse hook."""
         return self._forward(*_tokens_positions(ids, start_pos), cache, capture, logits)
 
-    def _new_cache(self, n: int):
-        return self.model.new_cache(1, max(_BUCKET, -(-n // 64) * 64))
+    def _new_cache(self, n: int, batch: int = 1):
+        return self.model.new_cache(batch, max(_BUCKET, -(-n // 64) * 64))
 
     def _lookup_stats(self, q: jax.Array, q_pre: jax.Array, n_valid: int, q_valid=None) -> list[Selection]:
         """Re-run the method's lookup on captured queries, for accounting only (outside the timed path).
 
         q, q_pre: [layers, S, Hq, T, d] — S lookups (decode steps, padded) of T tokens each;
-        the first `n_valid` lookups count. Returns one Selection per layer whose kv_rows and
-        meta_rows are [Hs, n_valid * T'] (one column per lookup token).
+        the first `n_valid` lookups count; q_valid [T]: a block's padding tokens (False) take no
+        part. Returns one Selection per layer whose kv_rows and meta_rows are [Hs, n_valid * T']
+        (one column per lookup token: T' = 1 for a block-level selection).
         """
         rows, meta, over = _lookup_stats_jit(self.method, self.index, self._state["k"], q, q_pre, q_valid)
+        # per-token methods have a column per query token (Ts = T): padding tokens' lookups do not count
+        keep = None if q_valid is None else np.asarray(q_valid, bool)
         out = []
         for layer in range(len(rows)):
             r = np.asarray(rows[layer][:n_valid])  # [n, Hs, Ts]
             m = np.asarray(meta[layer][:n_valid])
+            if keep is not None and r.shape[-1] == keep.shape[0] > 1:
+                r, m = r[..., keep], (m[..., keep] if m.shape[-1] == keep.shape[0] else m)
             out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
                                  np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), np.asarray(over[layer][:n_valid]).any(0)))
         return out
@@ -295,52 +301,78 @@ class FixedContext:
     def ask(self, question: str, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
             seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None) -> Answer:
         """Answer `question` about the document (greedy by default); streams text to `on_token`."""
+        stream = None if on_token is None else (lambda _i, text: on_token(text))
+        return self.ask_many([question], max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             on_token=stream, stop_ids=stop_ids)[0]
+
+    def ask_many(self, questions, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, on_token: Callable[[int, str], Any] | None = None, stop_ids=None) -> list[Answer]:
+        """Answer several questions in one batch: one prefill of the left-padded questions [B, T]
+        and one decode step per token for all rows, so the model's weights are read once per step
+        for the batch. Every row attends to the same fixed context (one copy of its K/V) with its
+        own selection, and to its own question and answer only. Greedy answers equal `ask`'s.
+
+        on_token(i, text): the new text of answer i as it is generated. A row stops at its own
+        stop token; the batch runs until every row has stopped or made `max_new_tokens` tokens.
+        Each answer's stats count its own lookups; time to first token and time per output token
+        are the batch's (one step produces a token for every row).
+        """
         if max_new_tokens < 1:
             raise SqjaxError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-        q_ids = self._question_ids(question)
-        total = self.n_tokens + len(q_ids) + max_new_tokens
+        if isinstance(questions, str) or not len(questions):
+            raise SqjaxError("ask_many takes a non-empty list of questions (ask() takes one string)")
+        for i, q in enumerate(questions):
+            if len(questions) > 1 and (not isinstance(q, str) or not q.strip()):
+                raise SqjaxError(f"question {i + 1} of {len(questions)} is empty: ask something")
+        q_ids = [self._question_ids(q) for q in questions]
+        longest = max(len(x) for x in q_ids)
+        total = self.n_tokens + longest + max_new_tokens
         if total > self.model.config.max_position_embeddings:
             raise SqjaxError(
-                f"document ({self.n_tokens}) + question ({len(q_ids)}) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"document ({self.n_tokens}) + question ({longest}) + max_new_tokens ({max_new_tokens}) = {total} "
                 f"tokens exceed the model's context of {self.model.config.max_position_embeddings}; ask for fewer tokens"
             )
         tok_dec = self.model.tokenizer
         stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
-        padded = _left_pad(q_ids)
-        padded_len = len(padded)
+        padded = _left_pad(q_ids)                                  # [B, T], -1 = padding
+        n_rows, padded_len = padded.shape
         key = jax.random.key(seed)
 
         t0 = time.perf_counter()
-        cache = self._new_cache(padded_len + max_new_tokens)
+        cache = self._new_cache(padded_len + max_new_tokens, n_rows)
         logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None, logits="last")
-        nxt = int(_first_token(logits, key, jnp.float32(temperature), jnp.float32(top_p),
-                               greedy=temperature == 0.0, use_top_p=top_p < 1.0))
+        first = _first_token(logits, key, jnp.float32(temperature), jnp.float32(top_p),
+                             greedy=temperature == 0.0, use_top_p=top_p < 1.0)    # int32 [B]
+        nxt = np.asarray(first)
         ttft = time.perf_counter() - t0
-        stack = lambda key, cs: jnp.stack([jnp.swapaxes(c[key][0], 0, 1) for c in cs])  # [layers, Hq, T, d]  # noqa: E731
-        prefill_sel = self._lookup_stats(stack("q", caps)[:, None], stack("q_pre", caps)[:, None], 1,
-                                         jnp.asarray(padded >= 0))
-        out, step_times = [], []
-        emitted = ""
+        stack = lambda key, b: jnp.stack([jnp.swapaxes(c[key][b], 0, 1) for c in caps])  # [layers, Hq, T, d]  # noqa: E731
+        prefill_sel = [self._lookup_stats(stack("q", b)[:, None], stack("q_pre", b)[:, None], 1,
+                                          jnp.asarray(padded[b] >= 0)) for b in range(n_rows)]
+        out: list[list[int]] = [[] for _ in range(n_rows)]
+        done = np.zeros(n_rows, bool)
+        step_times = []
+        emitted = [""] * n_rows
         # carried on the device from step to step (donated: the same buffers every step)
-        tok_d = jnp.full((1, 1), nxt, jnp.int32)
-        pos_d = jnp.full((1, 1), self.n_tokens + len(q_ids), jnp.int32)
+        tok_d = jnp.asarray(first, jnp.int32)[:, None]
+        pos_d = jnp.asarray([[self.n_tokens + len(x)] for x in q_ids], jnp.int32)
         step_d = jnp.ones((1,), jnp.int32)
         temp_d, top_p_d = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
         # Each step's queries for the accounting after the loop go into one carried buffer
-        # [K, layers, n_pad, Hq, 1, d] (a fresh output buffer per step changed the step's
+        # [K, layers, n_pad, B, Hq, 1, d] (a fresh output buffer per step changed the step's
         # addresses and doubled its time on a GPU, gpu_h200_ask/). K = 2 adds the de-roped queries
         # for the method that reads them (SAAP). n_pad: room for max_new_tokens - 1 steps, rounded
         # up to a power of two >= _BUCKET, so the step compiles once per bucket.
         n_pad = max(_BUCKET, 1 << (max_new_tokens - 2).bit_length()) if max_new_tokens > 1 else 0
         cfg = self.model.config
         n_kinds = 2 if self._hook.needs_q_pre else 1
-        qbuf = (jnp.zeros((n_kinds, cfg.num_layers, n_pad, cfg.num_heads, 1, cfg.head_dim), caps[0]["q"].dtype)
-                if n_pad else None)
-        n_steps, nxt_dev, t_prev = 0, None, time.perf_counter()
+        qbuf = (jnp.zeros((n_kinds, cfg.num_layers, n_pad, n_rows, cfg.num_heads, 1, cfg.head_dim),
+                          caps[0]["q"].dtype) if n_pad else None)
+        nxt_dev, t_prev = None, time.perf_counter()
         for step in range(max_new_tokens):
-            # pipelined: the step that feeds token `step` is dispatched (from the token still on
-            # the device) before the host reads it, so streaming and bookkeeping overlap the
-            # device's work; a stop discards that one step ahead.
+            # pipelined: the step that feeds token `step` is dispatched (from the tokens still on
+            # the device) before the host reads them, so streaming and bookkeeping overlap the
+            # device's work; a row that has stopped keeps stepping (its tokens are discarded) and
+            # when every row has stopped that one step ahead is discarded.
             nxt_ahead = None
             if step < max_new_tokens - 1:
                 tok_d, pos_d, step_d, cache, qbuf, nxt_ahead = _ask_step(
@@ -350,22 +382,28 @@ class FixedContext:
             if nxt_dev is not None:
                 # a host copy, not `nxt_dev[0]`: indexing is a device op queued behind the step
                 # dispatched ahead, so reading token n waited for step n + 1 (GPU)
-                nxt = int(np.asarray(nxt_dev)[0])
+                nxt = np.asarray(nxt_dev)
                 now = time.perf_counter()
                 step_times.append(now - t_prev)  # between consecutive tokens reaching the host
                 t_prev = now
-            out.append(nxt)
-            if on_token is not None:
-                text = tok_dec.decode(out)
-                on_token(text[len(emitted):])
-                emitted = text
-            if nxt in stop or nxt_ahead is None:
+            for b in np.flatnonzero(~done):
+                out[b].append(int(nxt[b]))
+                if on_token is not None:
+                    text = tok_dec.decode(out[b])
+                    on_token(int(b), text[len(emitted[b]):])
+                    emitted[b] = text
+                done[b] = int(nxt[b]) in stop
+            if done.all() or nxt_ahead is None:
                 break
             nxt_dev = nxt_ahead
-            n_steps += 1
-        step_sel = self._lookup_stats(qbuf[0], qbuf[-1], n_steps) if n_steps else None
-        stats = self._stats(prefill_sel, step_sel, len(q_ids), len(out), ttft, step_times)
-        return Answer(tok_dec.decode(out), out, stats)
+        answers = []
+        for b in range(n_rows):
+            # the steps that fed this row's tokens 0 .. n - 2 (the last token's step, if any, is not the answer's)
+            n_steps = len(out[b]) - 1
+            step_sel = (self._lookup_stats(qbuf[0][:, :, b], qbuf[-1][:, :, b], n_steps) if n_steps else None)
+            stats = self._stats(prefill_sel[b], step_sel, len(q_ids[b]), len(out[b]), ttft, step_times)
+            answers.append(Answer(tok_dec.decode(out[b]), out[b], stats))
+        return answers
 
     def _stats(self, prefill_sel, step_sel, n_prompt, n_new, ttft, step_times) -> AnswerStats:
         cfg = self.model.config
@@ -406,7 +444,7 @@ class FixedContext:
             raise SqjaxError(f"document + {len(ids)} tokens exceed the model's context")
         inp = ids[:-1]
         if mode == "prefill":
-            padded = _left_pad(inp)
+            padded = _left_pad([inp])[0]
             padded_len = len(padded)
             logits, _, _ = self._run(padded, self.n_tokens, self._new_cache(padded_len), capture=False)
             logits = logits[0, padded_len - len(inp):]  # predictions for ids[1:]
@@ -541,49 +579,54 @@ def _model_dtype(model) -> str:
                    donate_argnames=("tok", "pos", "step", "cache", "qbuf"))
 def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, temperature, top_p, *, attn_fn,
               greedy: bool, use_top_p: bool):
-    """One decode step of `FixedContext.ask` with its inputs carried on the device.
+    """One decode step of `FixedContext.ask_many` with its inputs carried on the device.
 
-    tok, pos int32 [1, 1], step int32 [1] (1 for the first step), the cache and qbuf [K, layers,
-    n_pad, Hq, 1, d] (this step's roped queries, and with K = 2 its de-roped ones, are written at
-    ``step - 1``, for the accounting after the loop) are donated and come back as the next
-    step's, so every step runs on the same buffers, as `models.generate`'s carried step does. The sampled id uses the key folded
-    with ``step``.  -> (tok', pos + 1, step + 1, cache, qbuf, sampled id int32 [1] for the host).
+    tok, pos int32 [B, 1], step int32 [1] (1 for the first step), the cache and qbuf [K, layers,
+    n_pad, B, Hq, 1, d] (this step's roped queries, and with K = 2 its de-roped ones, are written
+    at ``step - 1``, for the accounting after the loop) are donated and come back as the next
+    step's, so every step runs on the same buffers, as `models.generate`'s carried step does. The
+    sampled ids use the key folded with ``step``.
+    -> (tok', pos + 1, step + 1, cache, qbuf, sampled ids int32 [B] for the host).
     """
     from models.forward import forward
     from models.generate import sample_logits
 
     logits, cache, caps = forward(graphdef, state, tok, pos, cache, attn_fn=attn_fn, attn_state=attn_state,
                                   capture_last=1, logits="last")
-    nxt = sample_logits(logits[0, -1:], jax.random.fold_in(key, step[0]), temperature, top_p, greedy=greedy,
-                        use_top_p=use_top_p)                                      # int32 [1]
-    q = jnp.stack([jnp.stack([jnp.swapaxes(c[name][0], 0, 1) for c in caps]) for name in ("q", "q_pre")[:qbuf.shape[0]]])
+    nxt = sample_logits(logits[:, -1], jax.random.fold_in(key, step[0]), temperature, top_p, greedy=greedy,
+                        use_top_p=use_top_p)                                      # int32 [B]
+    # [K, layers, B, Hq, 1, d]: c[name] is [B, 1, Hq, d]
+    q = jnp.stack([jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")[:qbuf.shape[0]]])
     qbuf = jax.lax.dynamic_update_slice_in_dim(qbuf, q[:, :, None].astype(qbuf.dtype), step[0] - 1, axis=2)
-    return nxt.reshape(1, 1), pos + 1, step + 1, cache, qbuf, nxt
+    return nxt[:, None], pos + 1, step + 1, cache, qbuf, nxt
 
 
 @functools.partial(jax.jit, static_argnames=("greedy", "use_top_p"))
 def _first_token(logits, key, temperature, top_p, *, greedy: bool, use_top_p: bool):
-    """The token after the question: logits [1, T, V] -> int32 [], key folded with 0 (one
+    """The token after each question: logits [B, T, V] -> int32 [B], key folded with 0 (one
     dispatch, where slicing, folding and sampling eagerly were three)."""
     from models.generate import sample_logits
 
-    return sample_logits(logits[0, -1:], jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy,
-                         use_top_p=use_top_p)[0]
+    return sample_logits(logits[:, -1], jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy,
+                         use_top_p=use_top_p)
 
 
 def _tokens_positions(ids: np.ndarray, start_pos: int) -> tuple[jax.Array, jax.Array]:
-    """ids [n] (−1 = left padding) -> (tokens, positions) int32 [1, n]: padding is token 0 at
-    position −1, the real ids take positions start_pos, start_pos + 1, ..."""
+    """ids [n] or [B, n] (−1 = left padding) -> (tokens, positions) int32 [B, n] (B = 1 for [n]):
+    padding is token 0 at position −1, each row's real ids take positions start_pos, start_pos + 1, ..."""
     ids = np.asarray(ids, np.int32)
-    pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0) - 1, -1).astype(np.int32)
+    ids = ids[None] if ids.ndim == 1 else ids
+    pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0, axis=1) - 1, -1).astype(np.int32)
     tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
-    return jnp.asarray(tokens[None]), jnp.asarray(pos[None])
+    return jnp.asarray(tokens), jnp.asarray(pos)
 
 
-def _left_pad(ids: np.ndarray) -> np.ndarray:
-    """ids [n] -> int32 [m], left-padded with -1 to m = a positive multiple of _BUCKET (fewer compilations)."""
-    m = -(-max(len(ids), 1) // _BUCKET) * _BUCKET
-    return np.concatenate([np.full(m - len(ids), -1, np.int32), np.asarray(ids, np.int32)])
+def _left_pad(rows) -> np.ndarray:
+    """B rows of ids [n_b] -> int32 [B, m], each left-padded with -1 to m = a positive multiple of
+    _BUCKET covering the longest (fewer compilations)."""
+    rows = [np.asarray(r, np.int32) for r in rows]
+    m = -(-max(max(len(r) for r in rows), 1) // _BUCKET) * _BUCKET
+    return np.stack([np.concatenate([np.full(m - len(r), -1, np.int32), r]) for r in rows])
 
 
 def _jsonable(x):

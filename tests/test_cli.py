@@ -146,6 +146,17 @@ def test_ask_many_questions_in_one_process(capsys, monkeypatch, model_dir, doc_f
     # text output: a header per question, the streamed answer, a stats line each
     code, out, _ = _run(capsys, "ask", str(idx), qs[0], qs[1], "--model", model_dir, "--max-new-tokens", "2")
     assert code == 0 and out.count("Q: ") == 2 and out.count("KV budget") == 2
+    # --batch 2: the same answers (two batches: 2 + 1 questions), in order
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[1]}\n{qs[2]}\n"))
+    code, out, err = _run(capsys, "ask", str(idx), qs[0], "-", "--model", model_dir, "--max-new-tokens", "4",
+                          "--json", "--batch", "2")
+    assert code == 0, err
+    key = lambda r: (r["question"], r["answer"], r["token_ids"], r["stats"]["kv_budget"])  # noqa: E731  (not the timings)
+    assert [key(json.loads(line)) for line in out.strip().splitlines()] == [key(r) for r in rows]
+    code, out, _ = _run(capsys, "ask", str(idx), *qs, "--model", model_dir, "--max-new-tokens", "2", "--batch", "3")
+    assert code == 0 and out.count("Q: ") == 3 and out.count("for 3 answers") == 3
+    code, out, err = _run(capsys, "ask", str(idx), qs[0], "--model", model_dir, "--batch", "0")
+    assert code != 0 and "--batch must be >= 1" in _error_line(err)
     # checked before anything loads: a blank question among several, nothing on stdin
     code, out, err = _run(capsys, "ask", str(idx), qs[0], " ", "--model", model_dir)
     assert code != 0 and not out and "question 2 on the command line is empty" in _error_line(err)

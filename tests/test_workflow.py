@@ -425,7 +425,7 @@ def test_ask_step_returns_its_inputs_in_their_buffers(model):
     tok = jnp.full((1, 1), 9, jnp.int32)
     pos = jnp.full((1, 1), ctx.n_tokens + 16, jnp.int32)
     step = jnp.ones((1,), jnp.int32)
-    qbuf = jnp.zeros((2, cfg.num_layers, 4, cfg.num_heads, 1, cfg.head_dim), jnp.float32)   # with q_pre (SAAP)
+    qbuf = jnp.zeros((2, cfg.num_layers, 4, 1, cfg.num_heads, 1, cfg.head_dim), jnp.float32)   # with q_pre (SAAP)
     for i in range(2):
         ptrs = [x.unsafe_buffer_pointer() for x in (tok, pos, step, qbuf)]
         ref_cache = jax.tree.map(jnp.copy, cache)
@@ -441,5 +441,5 @@ def test_ask_step_returns_its_inputs_in_their_buffers(model):
                                   jnp.int32), ref_cache, capture=1)
         for j, name in enumerate(("q", "q_pre")):
             want = np.stack([np.swapaxes(np.asarray(c[name][0]), 0, 1) for c in caps])   # [layers, Hq, 1, d]
-            np.testing.assert_allclose(np.asarray(qbuf[j, :, i]), want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(qbuf[j, :, i, 0]), want, rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(qbuf[:, :, i + 1:]))

@@ -1,0 +1,94 @@
+"""FixedContext.ask_many: a batch of questions answered together equals asking them one by one."""
+
+import numpy as np
+import pytest
+from _tiny_model import tiny_model
+
+from sqjax import fixed_context as fc
+from sqjax.fixed_context import FixedContext, SqjaxError
+from sqjax.methods import HierarchicalSqueezed, Quest, Saap, Squeezed
+
+DOC = " ".join(f"Shelf {i} holds a {w} next to box {i % 5}." for i, w in
+               zip(range(50), ["kettle", "drill", "lamp", "ladder", "globe"] * 10))
+# lengths in different padding buckets (the longest pads the others by > 16 tokens)
+QUESTIONS = ["Which shelf?",
+             "What does shelf 12 hold, and which box stands next to it on the left side of the aisle "
+             "when you walk in from the north door past the drills?",
+             "Where is the globe kept?"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def ctx(model):
+    return FixedContext.build(model, DOC, Squeezed(sparsity=0.8, n_sink=1), chat=False)
+
+
+def _same_answer(got, ref):
+    assert got.token_ids == ref.token_ids and str(got) == str(ref)
+    assert got.stats.n_prompt_tokens == ref.stats.n_prompt_tokens
+    assert got.stats.n_new_tokens == ref.stats.n_new_tokens == len(ref.token_ids)
+    # each answer's budget counts its own lookups (its question block, then its own decode steps)
+    np.testing.assert_allclose(got.stats.kv_budget_prefill, ref.stats.kv_budget_prefill, rtol=1e-6)
+    np.testing.assert_allclose(got.stats.kv_budget, ref.stats.kv_budget, rtol=1e-6)
+    np.testing.assert_allclose(got.stats.kv_budget_per_layer, ref.stats.kv_budget_per_layer, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", [None, HierarchicalSqueezed(sparsity=0.8, n_sink=1), Quest(budget=0.3),
+                                    Saap(probes=4)], ids=lambda m: "squeezed" if m is None else m.name)
+def test_batch_equals_one_by_one(ctx, method):
+    c = ctx if method is None else ctx.with_method(method)
+    assert len({len(c._question_ids(q)) for q in QUESTIONS}) == 3
+    got = c.ask_many(QUESTIONS, max_new_tokens=6, stop_ids=())
+    assert len(got) == len(QUESTIONS)
+    for q, a in zip(QUESTIONS, got):
+        _same_answer(a, c.ask(q, max_new_tokens=6, stop_ids=()))
+        assert a.stats.time_to_first_token_s > 0 and a.stats.time_per_output_token_s > 0
+
+
+def test_rows_stop_on_their_own(ctx):
+    """A row that emits a stop id ends there (the stop id is its last token) while the others go on;
+    streamed pieces add up to each answer."""
+    free = ctx.ask_many(QUESTIONS, max_new_tokens=5, stop_ids=())
+    stop = free[0].token_ids[1]                      # row 0's second token
+    assert stop not in free[1].token_ids[:4] or stop not in free[2].token_ids[:4]
+    pieces = {i: "" for i in range(3)}
+    got = ctx.ask_many(QUESTIONS, max_new_tokens=5, stop_ids=(stop,),
+                       on_token=lambda i, t: pieces.__setitem__(i, pieces[i] + t))
+    for q, a, f in zip(QUESTIONS, got, free):
+        ref = ctx.ask(q, max_new_tokens=5, stop_ids=(stop,))
+        _same_answer(a, ref)
+        k = f.token_ids.index(stop) + 1 if stop in f.token_ids else len(f.token_ids)
+        assert a.token_ids == f.token_ids[:k]
+    assert got[0].token_ids == free[0].token_ids[:2]
+    assert [pieces[i] for i in range(3)] == [str(a) for a in got]
+
+
+def test_ask_streams_like_before(ctx):
+    pieces = []
+    a = ctx.ask(QUESTIONS[2], max_new_tokens=4, stop_ids=(), on_token=pieces.append)
+    assert "".join(pieces) == str(a) and len(a.token_ids) == 4
+
+
+def test_decode_step_compiles_once_per_batch_size(ctx):
+    ctx.ask_many(QUESTIONS[:2], max_new_tokens=3, stop_ids=())
+    before = fc._ask_step._cache_size()
+    ctx.ask_many(QUESTIONS[1:], max_new_tokens=3, stop_ids=())   # same batch size, same buckets
+    assert fc._ask_step._cache_size() == before
+
+
+def test_bad_batches(ctx):
+    with pytest.raises(SqjaxError, match="question 2 of 3 .*empty"):
+        ctx.ask_many(["a?", "  ", "b?"], max_new_tokens=2)
+    with pytest.raises(SqjaxError, match="list of questions"):
+        ctx.ask_many("one string", max_new_tokens=2)
+    with pytest.raises(SqjaxError, match="list of questions"):
+        ctx.ask_many([], max_new_tokens=2)
+    with pytest.raises(SqjaxError, match="max_new_tokens"):
+        ctx.ask_many(["a?"], max_new_tokens=0)
+    n = ctx.model.config.max_position_embeddings
+    with pytest.raises(SqjaxError, match="exceed the model's context"):
+        ctx.ask_many(["a?", "b?"], max_new_tokens=n)
