@@ -92,3 +92,22 @@ def test_bad_batches(ctx):
     n = ctx.model.config.max_position_embeddings
     with pytest.raises(SqjaxError, match="exceed the model's context"):
         ctx.ask_many(["a?", "b?"], max_new_tokens=n)
+
+
+def test_batch_benchmark_plumbing(tmp_path):
+    """`benchmarks.batch_ask` on a tiny checkpoint: both methods, answers compared, JSON + markdown."""
+    from _tiny_model import save_hf_checkpoint
+
+    from benchmarks import batch_ask
+
+    ckpt = save_hf_checkpoint(tiny_model(), tmp_path / "ckpt")
+    out = tmp_path / "res" / "b.json"
+    assert batch_ask.main(["--model", str(ckpt), "--batch", "2", "--tokens", "3", "--reps", "1", "--out", str(out)]) == 0
+    import json
+
+    res = json.loads(out.read_text())
+    assert [r["method"] for r in res["rows"]] == ["squeezed+sink1 s0.9", "full"]
+    for r in res["rows"]:
+        assert r["greedy_answers_equal"] == [True, True] and r["batch_s"] > 0 and r["one_by_one_s"] > 0
+        np.testing.assert_allclose(r["kv_budget_batch"], r["kv_budget_one_by_one"], rtol=1e-6)
+    assert "| full | 2 × 3 |" in out.with_suffix(".md").read_text()
