@@ -315,7 +315,8 @@ class FixedContext:
         on_token(i, text): the new text of answer i as it is generated. A row stops at its own
         stop token; the batch runs until every row has stopped or made `max_new_tokens` tokens.
         Each answer's stats count its own lookups; time to first token and time per output token
-        are the batch's (one step produces a token for every row).
+        are the batch's (one step produces a token for every row). With sampling (temperature > 0)
+        one key per step serves all rows, so a row's draws depend on the batch it is in.
         """
         if max_new_tokens < 1:
             raise SqjaxError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
