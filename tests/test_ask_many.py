@@ -111,3 +111,18 @@ def test_batch_benchmark_plumbing(tmp_path):
         assert r["greedy_answers_equal"] == [True, True] and r["batch_s"] > 0 and r["one_by_one_s"] > 0
         np.testing.assert_allclose(r["kv_budget_batch"], r["kv_budget_one_by_one"], rtol=1e-6)
     assert "| full | 2 × 3 |" in out.with_suffix(".md").read_text()
+
+
+def test_batch_decode_benchmark_plumbing(tmp_path):
+    """`benchmarks.batch_decode --cpu-smoke`: its checks pass (folded dense = row-by-row dense,
+    Squeezed rows = the clustered decode's jnp reference) and it writes JSON + markdown."""
+    import json
+
+    from benchmarks import batch_decode
+
+    assert batch_decode.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "batch_decode.json").read_text())
+    assert [(r["L"], r["B"]) for r in res["rows"]] == [(1024, 1), (1024, 2)]
+    for r in res["rows"]:
+        assert r["ok"] and r["squeezed_loop_ms"] > 0 and r["dense_shared_loop_ms"] > 0 and 0 < r["kept"] < 1
+    assert "| 1024 | 2 |" in (tmp_path / "batch_decode.md").read_text()
