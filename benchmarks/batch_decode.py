@@ -11,7 +11,10 @@ context once per step for the whole batch. So for each length and batch size thi
 sparsity with 5% centroids (Llama-3-8B attention, bf16, tiled captured keys as in `benchmarks.speed`):
 
 - ``squeezed``: B calls of the fused clustered decode (the library's decode thresholds,
-  `decode_calibration="token"`), each with its row's own 16 new keys -- what the hook does;
+  `decode_calibration="token"`), each with its row's own 16 new keys -- the hook before
+  `clustered_decode_batched`;
+- ``squeezed_batched``: one `clustered_decode_batched` call (centroids scored once for all rows,
+  the union of the rows' clusters streamed once, a bit per row) -- what the hook does on GPU now;
 - ``dense_rows``: B cuDNN calls over the fixed K/V -- what the hook does for full attention;
 - ``dense_shared``: one cuDNN call with the B rows folded into the query heads -- the best dense
   for a shared document. Both dense variants leave out the rows' 16 new keys (a lower bound on
@@ -19,8 +22,9 @@ sparsity with 5% centroids (Llama-3-8B attention, bf16, tiled captured keys as i
 
 Each is timed as device time per step (`time_ms_looped`: 100 steps in one program, 4 query sets
 rotated) and as kernel busy time per step from a profiler trace; speed-ups are against the faster
-dense variant of the same run. Outputs are checked: folded dense equals row-by-row dense, and
-every Squeezed row equals the jnp reference of the clustered decode.
+dense variant of the same run. Outputs are checked: folded dense equals row-by-row dense, every
+Squeezed row equals the jnp reference of the clustered decode, and the batched call equals the
+rows one by one.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def _setup(plan, src, length: int, backend: str) -> dict:
 
 
 def _fns(s: dict, backend: str, impl: str):
-    from pallas_kernels import clustered_decode_attention
+    from pallas_kernels import clustered_decode_attention, clustered_decode_batched
 
     scale, vote = s["scale"], s["vote"]
 
@@ -76,6 +80,12 @@ def _fns(s: dict, backend: str, impl: str):
         return jnp.stack([clustered_decode_attention(qb[b], ks, vs, cent, off, t, kn[b], vn[b], qp, kp,
                                                      scale=scale, vote=vote, backend=backend)
                           for b in range(qb.shape[0])])
+
+    def squeezed_batched(qb, ks, vs, cent, off, t, kn, vn, qp, kp):   # one set of launches for all rows
+        n_b = qb.shape[0]
+        return clustered_decode_batched(qb, ks, vs, cent, off, t, kn, vn, jnp.broadcast_to(qp, (n_b,)),
+                                        jnp.broadcast_to(kp, (n_b, kp.shape[0])), scale=scale, vote=vote,
+                                        backend=backend)
 
     def dense_rows(qb, kk, vv):
         return jnp.stack([jax.nn.dot_product_attention(qb[b][None, None], kk, vv, scale=scale, implementation=impl)[0, 0]
@@ -89,7 +99,7 @@ def _fns(s: dict, backend: str, impl: str):
         o = jax.nn.dot_product_attention(qf, kk, vv, scale=scale, implementation=impl)[0, 0]
         return o.reshape(hkv, n_b, hq // hkv, d).swapaxes(0, 1).reshape(n_b, hq, d)
 
-    return squeezed, dense_rows, dense_shared
+    return squeezed, squeezed_batched, dense_rows, dense_shared
 
 
 def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=print, save=None) -> dict:
@@ -104,7 +114,7 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
         s = _setup(plan, src, length, backend)
         log(f"[L={length}] indexed in {time.perf_counter() - t0:.1f}s; decode threshold {float(s['t']):.3g}, "
             f"calibration queries keep {s['decode_kept_calibration']:.3f}")
-        squeezed, dense_rows, dense_shared = _fns(s, backend, impl)
+        squeezed, squeezed_batched, dense_rows, dense_shared = _fns(s, backend, impl)
         qp = jnp.full((1,), length + N_NEW - 1, jnp.int32)
         kp = (length + jnp.arange(N_NEW)).astype(jnp.int32)
         for n_b in batches:
@@ -123,33 +133,44 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
             a, b = jax.jit(dense_rows)(q0, *dn_fixed), jax.jit(dense_shared)(q0, *dn_fixed)
             row["dense_shared_vs_rows_max_err"] = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
             got = jax.jit(squeezed)(q0, *sq_fixed)
-            kept, errs = [], []
+            got_b = jax.jit(squeezed_batched)(q0, *sq_fixed)
+            row["batched_vs_rows_max_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - got_b.astype(jnp.float32))))
+            kept, errs, union = [], [], None
             for r in range(n_b):
-                ref, _, n_rows = clustered_decode_attention_reference(
+                ref, sel, n_rows = clustered_decode_attention_reference(
                     q0[r], s["ks"], s["vs"], s["cent"], s["off"], s["t"], kn[r], vn[r], qp, kp, scale=s["scale"],
                     vote=s["vote"], return_stats=True)
                 num = jnp.linalg.norm((got[r].astype(jnp.float32) - ref.astype(jnp.float32)).ravel())
                 errs.append(float(num / jnp.linalg.norm(ref.astype(jnp.float32).ravel())))
                 kept.append(float(np.asarray(n_rows).mean() / length))
+                sel = np.asarray(sel).reshape(plan.hkv, -1, sel.shape[-1]).any(axis=1)      # [Hkv, C]
+                union = sel if union is None else union | sel
             row["squeezed_rel_err_max"] = max(errs)
             row["kept_per_row"] = kept
             row["kept"] = float(np.mean(kept))
-            row["ok"] = bool(row["dense_shared_vs_rows_max_err"] < 2e-2 and row["squeezed_rel_err_max"] < 2e-2)
-            for name, fn, fixed in (("squeezed", squeezed, sq_fixed), ("dense_rows", dense_rows, dn_fixed),
+            off = np.asarray(s["off"])
+            union_rows = np.sum(np.where(union, np.diff(off, axis=1), 0), axis=1) + (length - off[:, -1])
+            row["kept_union"] = float(union_rows.mean() / length)   # what the batched call streams
+            row["ok"] = bool(row["dense_shared_vs_rows_max_err"] < 2e-2 and row["squeezed_rel_err_max"] < 2e-2
+                             and row["batched_vs_rows_max_err"] < 2e-2)
+            for name, fn, fixed in (("squeezed", squeezed, sq_fixed), ("squeezed_batched", squeezed_batched, sq_fixed),
+                                    ("dense_rows", dense_rows, dn_fixed),
                                     ("dense_shared", dense_shared, dn_fixed)):
                 row[f"{name}_loop_ms"] = time_ms_looped(fn, qsets, fixed=fixed, n_iter=n_iter, reps=5)
                 call = jax.jit(fn)
                 kt = kernel_time_per_call(call, [(q, *fixed) for q in qsets], n=8)
                 row[f"{name}_busy_ms"] = None if kt is None else kt["busy_ms_per_call"]
             for t in ("loop", "busy"):
-                best = min(x for x in (row[f"dense_rows_{t}_ms"], row[f"dense_shared_{t}_ms"]) if x is not None) \
-                    if row["dense_rows_busy_ms"] is not None or t == "loop" else None
-                row[f"speedup_{t}"] = None if best is None or row[f"squeezed_{t}_ms"] is None else best / row[f"squeezed_{t}_ms"]
+                dense = [x for x in (row[f"dense_rows_{t}_ms"], row[f"dense_shared_{t}_ms"]) if x is not None]
+                for name in ("squeezed", "squeezed_batched"):
+                    own = row[f"{name}_{t}_ms"]
+                    row[f"speedup{'' if name == 'squeezed' else '_batched'}_{t}"] = (
+                        min(dense) / own if dense and own is not None else None)
             rows.append(row)
             if save:
                 save(res)
             log(f"[L={length} B={n_b}] kept {row['kept']:.3f}; loop ms: squeezed {row['squeezed_loop_ms']:.4f}, "
-                f"dense rows {row['dense_rows_loop_ms']:.4f}, dense shared {row['dense_shared_loop_ms']:.4f} -> "
+                f"batched {row['squeezed_batched_loop_ms']:.4f} ({row['speedup_batched_loop']:.2f}x), dense rows {row['dense_rows_loop_ms']:.4f}, dense shared {row['dense_shared_loop_ms']:.4f} -> "
                 f"{row['speedup_loop']:.2f}x; checks {'PASS' if row['ok'] else 'FAIL'}")
         del s
     return res
@@ -159,18 +180,22 @@ def to_markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"B decode rows over one shared fixed context ({m['device']}, jax {m['jax']}, {m['git_commit'][:12]}; "
              f"{res['keys']}; dense = `jax.nn.dot_product_attention(implementation={res['dense_implementation']!r})`)", "",
-             "| L | B | kept | Squeezed (B fused calls) | dense, row by row | dense, rows folded (shared reads) | "
-             "speed-up vs best dense | checks |", "|---|---|---|---|---|---|---|---|"]
+             "| L | B | kept (mean / union) | Squeezed (B fused calls) | Squeezed batched (one call) | dense, row by row | "
+             "dense, rows folded (shared reads) | speed-up vs best dense: row by row / batched | checks |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def pair(r, name):
         busy = r.get(f"{name}_busy_ms")
         return f"{r[f'{name}_loop_ms']:.4f}" + ("" if busy is None else f" ({busy:.4f})")
 
     for r in res["rows"]:
-        sb = r.get("speedup_busy")
-        lines.append(f"| {r['L']} | {r['B']} | {r['kept']:.3f} | {pair(r, 'squeezed')} | {pair(r, 'dense_rows')} | "
-                     f"{pair(r, 'dense_shared')} | {r['speedup_loop']:.2f}×" + ("" if sb is None else f" ({sb:.2f}×)")
-                     + f" | {'PASS' if r['ok'] else 'FAIL'} |")
+        def sp(key):
+            b = r.get(f"{key}_busy")
+            return f"{r[f'{key}_loop']:.2f}×" + ("" if b is None else f" ({b:.2f}×)")
+
+        lines.append(f"| {r['L']} | {r['B']} | {r['kept']:.3f} / {r['kept_union']:.3f} | {pair(r, 'squeezed')} | {pair(r, 'squeezed_batched')} | "
+                     f"{pair(r, 'dense_rows')} | {pair(r, 'dense_shared')} | {sp('speedup')} / {sp('speedup_batched')} "
+                     f"| {'PASS' if r['ok'] else 'FAIL'} |")
     lines += ["", "ms per decode step for the whole batch: device loop of "
               f"{res['n_iter']} steps (kernel busy time from a profiler trace in brackets)."]
     return "\n".join(lines) + "\n"

@@ -79,7 +79,8 @@ from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
                                                 hierarchical_lookup_reference)
 from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
-__all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention",
+__all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention", "clustered_decode_batched",
+           "clustered_decode_batched_reference",
            "clustered_decode_hierarchical", "clustered_decode_hierarchical_reference", "clustered_decode_partial",
            "clustered_decode_attention_reference", "clustered_prefill_attention",
            "clustered_prefill_attention_reference"]
@@ -188,13 +189,14 @@ class _Plan:
   n_new: int       # new-part programs per KV head
   n_ex: int        # exact-part programs per KV head
   vote: str
+  n_seg: int = 1   # vote "kv": the g stacked rows are n_seg rows (questions) of g / n_seg heads, each voting alone
 
   @property
   def n_prog(self) -> int:
     return self.n_new + self.n_ex + self.n_cb
 
 
-def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _Plan:
+def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig, n_seg: int = 1) -> _Plan:
   g = hq // hkv
   rp = max(16, cm.next_pow2(g))
   cpow = max(16, cm.next_pow2(num_c))
@@ -229,7 +231,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig) -> _
                dp=cm.padded_head_dim(d), block_c=block_c, score_blocks=score_blocks, n_a=n_a,
                n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
-               vote=vote)
+               vote=vote, n_seg=n_seg)
 
 
 # ----------------------------------------------------------------------------
@@ -307,11 +309,18 @@ def _attn_kernel(thr_ref,      # [1] f32
   sel_ref = refs.pop(0) if return_stats else None
   o_ref, m_ref, l_ref = refs
   vote_q = p.vote == "q"
+  seg_vote = not vote_q and p.n_seg > 1      # one group vote per row segment (batched questions)
   kv = pl.program_id(0)
   prog = pl.program_id(1)
   i32 = jnp.int32
   hr = jnp.arange(p.rp, dtype=i32)
   hv = hr < p.g
+  if seg_vote:
+    g_seg = p.g // p.n_seg
+    seg = hr // g_seg                                                  # [rp] the row's segment
+    row_bit = jnp.where(hv, seg, i32(31))     # padding rows read bit 31, never set (n_seg <= 30)
+  else:
+    row_bit = hr
   q = cm.gather_rows(q_ref, kv * p.g + hr, p.dp, hv)                  # [rp, dp]
   jj = jnp.arange(p.block_k, dtype=i32)
   carry = (jnp.zeros((p.rp, p.dp), jnp.float32),
@@ -361,7 +370,7 @@ def _attn_kernel(thr_ref,      # [1] f32
   den = jnp.sum(jnp.where(smask, ls * jnp.exp(ms - big_m[:, None]), 0.0), axis=1)
   inv_den = jnp.where(hv & (den > 0), 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
   thr = thr_ref[0]
-  all_bits = (1 << p.g) - 1 if vote_q else 1
+  all_bits = (1 << p.g) - 1 if vote_q else ((1 << p.n_seg) - 1 if seg_vote else 1)
   head_bit = jnp.left_shift(i32(1), hr)                                # [rp]
   slot = jnp.arange(p.bcs, dtype=i32)
   n_sub = p.bc // p.bcs
@@ -382,6 +391,12 @@ def _attn_kernel(thr_ref,      # [1] f32
     if vote_q:
       selh = xmask & (s > thr)                                         # [rp, Bcs]
       bits = jnp.sum(jnp.where(selh, head_bit[:, None], 0), axis=0)   # [Bcs]
+      sel = bits != 0
+    elif seg_vote:
+      bits = jnp.zeros((p.bcs,), i32)
+      for r in range(p.n_seg):                                         # each segment's group mean
+        vsum = jnp.sum(jnp.where((hv & (seg == r))[:, None], s, 0.0), axis=0) * (1.0 / g_seg)
+        bits = bits | jnp.where(valid & (vsum > thr), i32(1 << r), i32(0))
       sel = bits != 0
     else:
       vsum = jnp.sum(s, axis=0) * (1.0 / p.g)                          # group mean
@@ -406,11 +421,11 @@ def _attn_kernel(thr_ref,      # [1] f32
     def tile_body(t, carry):
       j = t * p.block_k + jj                                           # virtual rows
       jv = j < total
-      if vote_q:
+      if vote_q or seg_vote:
         inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
         row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
-        rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head bits
-        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], hr[:, None]) & 1) == 1)
+        rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head / segment bits
+        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], row_bit[:, None]) & 1) == 1)
       else:
         # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
         # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
@@ -454,12 +469,12 @@ def _head_stats_as_blocks(big_m, den, width):
 
 
 def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: ClusteredConfig,
-                backend):
+                backend, n_seg: int = 1):
   """Kernel A.  -> (plan, qf [Hq, dp], offs [Hkv * (C + 1)], x [Hkv, g, Cx],
   ms, ls [Hkv, g, nA2] f32 block statistics)."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
-  p = _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg)
+  p = _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg, n_seg)
   dp = p.dp
   qf = cm.pad_axis(q, 1, dp)
   offs = offsets.reshape(-1)
@@ -510,13 +525,15 @@ def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q
 
 def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
                    *, scale, vote, return_stats, reduce_stats, cfg: ClusteredConfig, backend,
-                   out_dtype=jnp.float32):
-  """-> (o [Hq, d] out_dtype, lse [Hq] f32, selected | None, rows | None)."""
+                   out_dtype=jnp.float32, n_seg: int = 1):
+  """-> (o [Hq, d] out_dtype, lse [Hq] f32, selected | None, rows | None).  ``n_seg`` > 1
+  (vote "kv", no statistics returned): the g rows of each KV head are n_seg segments voting
+  apart (`clustered_decode_batched`)."""
   hq, d = q.shape
   num_l = k.shape[1]
   num_c = centroids.shape[1]
   p, qf, offs, x, ms, ls = _score_call(q, centroids, offsets, num_l=num_l, num_s=k_new.shape[1],
-                                       scale=scale, vote=vote, cfg=cfg, backend=backend)
+                                       scale=scale, vote=vote, cfg=cfg, backend=backend, n_seg=n_seg)
   if reduce_stats is not None or cfg.reduce_stats_first:
     big_m, den = _block_stats_to_head(ms, ls, p.n_a)
     if reduce_stats is not None:
@@ -843,6 +860,129 @@ def clustered_decode_attention(
                                    return_stats=return_stats, reduce_stats=None,
                                    cfg=config or ClusteredConfig(), backend=be, out_dtype=q.dtype)
   return (o, sel, rows) if return_stats else o
+
+
+MAX_BATCH_ROWS = 30   # vote "kv": one bit per row (question) in an int32
+
+
+def check_batched(n_rows: int, hq: int, hkv: int, vote: str) -> str | None:
+  """Why ``clustered_decode_batched`` cannot take ``n_rows`` rows of ``hq`` heads, or None."""
+  if n_rows < 1:
+    return f"need at least one row; got {n_rows}"
+  if vote == "q" and n_rows * (hq // hkv) > MAX_VOTE_Q_GROUP:
+    return (f"vote='q' keeps one bit per query head of a KV head's rows: {n_rows} rows x {hq // hkv} heads "
+            f"> {MAX_VOTE_Q_GROUP}; split the batch")
+  if vote == "kv" and n_rows > MAX_BATCH_ROWS:
+    return f"vote='kv' keeps one bit per row: {n_rows} rows > {MAX_BATCH_ROWS}; split the batch"
+  return None
+
+
+def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale):
+  """Attention of one token's heads q [Hq, d] over its own new keys [Hkv, S, d] (visible:
+  0 <= kv_pos <= q_pos) -> (o [Hq, d] f32, lse [Hq] f32, -inf where nothing is visible)."""
+  g = q.shape[0] // k_new.shape[0]
+  vis = (kv_pos_new >= 0) & (kv_pos_new <= q_pos)                        # [S]
+  live = vis[None, :, None]                                              # empty slots may hold anything
+  kq = jnp.where(live, jnp.repeat(k_new, g, axis=0).astype(jnp.float32), 0.0)   # [Hq, S, d]
+  vq = jnp.where(live, jnp.repeat(v_new, g, axis=0).astype(jnp.float32), 0.0)
+  s = jnp.einsum("hd,hsd->hs", q.astype(jnp.float32), kq) * scale
+  s = jnp.where(vis[None, :], s, -jnp.inf)
+  mx = jnp.max(s, axis=1, initial=-jnp.inf)
+  ok = jnp.isfinite(mx)
+  w = jnp.where(vis[None, :], jnp.exp(s - jnp.where(ok, mx, 0.0)[:, None]), 0.0)
+  den = jnp.sum(w, axis=1)
+  o = jnp.einsum("hs,hsd->hd", w, vq) / jnp.where(ok, den, 1.0)[:, None]
+  return jnp.where(ok[:, None], o, 0.0), jnp.where(ok, mx + jnp.log(jnp.where(ok, den, 1.0)), -jnp.inf)
+
+
+def _merge_two(o1, lse1, o2, lse2):
+  """Log-sum-exp merge of two normalised partials (o [..., d], lse [...]; -inf = empty)."""
+  mx = jnp.maximum(lse1, lse2)
+  ok = jnp.isfinite(mx)
+  m0 = jnp.where(ok, mx, 0.0)
+  w1, w2 = jnp.exp(lse1 - m0), jnp.exp(lse2 - m0)
+  den = w1 + w2
+  o = (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(ok, den, 1.0)[..., None]
+  return jnp.where(ok[..., None], o, 0.0)
+
+
+def _validate_batched(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, vote):
+  shapes = cm.shape_str(q=q, k_sorted=k, v_sorted=v, centroids=centroids, offsets=offsets,
+                        k_new=k_new, v_new=v_new, q_pos=q_pos, kv_pos_new=kv_pos_new)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, Hq, d]; got {shapes}")
+  n_rows = q.shape[0]
+  if k_new.ndim != 4 or k_new.shape[0] != n_rows or v_new.shape != k_new.shape:
+    raise ValueError(f"need k_new and v_new [B, Hkv, S, d] (each row's own new keys); got {shapes}")
+  if q_pos.shape != (n_rows,) or kv_pos_new.shape != (n_rows, k_new.shape[2]):
+    raise ValueError(f"need q_pos [B] and kv_pos_new [B, S]; got {shapes}")
+  # the shared checks on row 0 (dtypes, head counts, centroids, offsets, threshold, vote)
+  _validate(q[0], k, v, centroids, offsets, threshold, k_new[0], v_new[0], q_pos[:1], kv_pos_new[0], 2, vote)
+  why = check_batched(n_rows, q.shape[1], k.shape[0], vote)
+  if why:
+    raise ValueError(f"{why}; got {shapes}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+def clustered_decode_batched_reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
+                                       q_pos, kv_pos_new, *, scale, vote="kv"):
+  """Plain-jnp ``clustered_decode_batched``: ``clustered_decode_attention_reference`` row by row."""
+  def one(qb, kn, vn, qp, kp):
+    return clustered_decode_attention_reference(qb, k_sorted, v_sorted, centroids, offsets, threshold, kn, vn,
+                                                qp[None], kp, scale=scale, vote=vote)
+  return jax.vmap(one)(q, k_new, v_new, q_pos, kv_pos_new)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+def clustered_decode_batched(
+    q: jax.Array,            # [B, Hq, d]  one token of each of B rows (questions)
+    k_sorted: jax.Array,     # [Hkv, L, d] the ONE shared fixed context, cluster-contiguous
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids: jax.Array,    # [Hkv, C, d]
+    offsets: jax.Array,      # [Hkv, C + 1] int32
+    threshold: jax.Array,    # [] f32
+    k_new: jax.Array,        # [B, Hkv, S, d] each row's own new keys (S may be 0)
+    v_new: jax.Array,        # [B, Hkv, S, d]
+    q_pos: jax.Array,        # [B] int32
+    kv_pos_new: jax.Array,   # [B, S] int32 (-1 = empty)
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: ClusteredConfig | None = None,
+):
+  """B rows decoding over one shared fixed context in one set of launches: the same result as
+  ``clustered_decode_attention`` row by row (Eq. 1 per row: each row's own softmax statistics,
+  its own group vote -- vote "kv": the mean over the row's g heads --, its own new keys).
+
+  The B rows' heads are stacked as the rows of their KV head ([Hkv, B, g]); the scoring kernel
+  reads each centroid once for all of them, and the attention kernel streams the *union* of the
+  rows' selected clusters once, each K/V tile masked per row by a bit per row (vote "kv") or per
+  query head (vote "q"), as vote "q" does for one row. The rows' new keys are attended apart (a
+  small dense step) and merged by log-sum-exp. At most 30 rows (vote "kv") or 30 query heads
+  per KV head (vote "q"): `check_batched`.  -> o [B, Hq, d] in q's dtype.
+  """
+  _validate_batched(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, vote)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return clustered_decode_batched_reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
+                                              q_pos, kv_pos_new, scale=scale, vote=vote)
+  n_rows, hq, d = q.shape
+  hkv = k_sorted.shape[0]
+  g = hq // hkv
+  qf = q.reshape(n_rows, hkv, g, d).swapaxes(0, 1).reshape(hkv * n_rows * g, d)   # [Hkv, B, g] rows
+  none = jnp.zeros((hkv, 0, d), q.dtype)
+  o, lse, _, _ = _decode_pallas(qf, k_sorted, v_sorted, centroids, offsets, threshold, none, none,
+                                jnp.zeros((1,), jnp.int32), jnp.zeros((0,), jnp.int32), scale=scale, vote=vote,
+                                return_stats=False, reduce_stats=None, cfg=config or ClusteredConfig(),
+                                backend=be, out_dtype=jnp.float32, n_seg=n_rows if vote == "kv" else 1)
+  o = o.reshape(hkv, n_rows, g, d).swapaxes(0, 1).reshape(n_rows, hq, d)
+  lse = lse.reshape(hkv, n_rows, g).swapaxes(0, 1).reshape(n_rows, hq)
+  if k_new.shape[2]:
+    o2, lse2 = jax.vmap(functools.partial(_new_part, scale=scale))(q, k_new, v_new, q_pos, kv_pos_new)
+    o = _merge_two(o, lse, o2, lse2)
+  return o.astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))

@@ -114,6 +114,27 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
                             scale=scale, backend=b)
 
 
+def clustered_decode_batched(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
+                             scale: float, vote: str):
+    """One token of each of B rows over one shared cluster-contiguous fixed context, in one set
+    of launches (`pallas_kernels.clustered_decode_batched`: centroids scored once, the union of
+    the rows' clusters streamed once), or None (use the rows one by one) unless the backend is a
+    Pallas one and the batch fits the kernel's vote bits.
+
+    q [B, Hq, 1, d]; k_new, v_new [B, Hkv, S, d]; q_pos [B, 1]; kv_pos [B, S] -> [B, Hq, 1, d].
+    """
+    b = resolved()
+    if b == "reference":
+        return None
+    from pallas_kernels.clustered_attention import check_batched, clustered_decode_batched as kernel
+
+    if check_batched(q.shape[0], q.shape[1], k_sorted.shape[0], vote) is not None:
+        return None
+    o = kernel(q[:, :, 0], k_sorted, v_sorted, centroids.astype(k_sorted.dtype), offsets, threshold, k_new, v_new,
+               q_pos[:, 0], kv_pos, scale=scale, vote=vote, backend=b)
+    return o[:, :, None]
+
+
 def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
                      scale: float, vote: str, level1=None, threshold1=0.0):
     """One-token Squeezed attention over the cluster-contiguous layout (fused kernels), or None.

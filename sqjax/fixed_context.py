@@ -81,6 +81,16 @@ class SparseAttentionHook:
             return jnp.swapaxes(o, 0, 1)
 
         with dispatch.using(self.backend):
+            if ("clustered" in state and "level1" not in state and q.shape[0] > 1 and q.shape[1] == 1
+                    and layer >= self.method.dense_layers):
+                # several rows' decode steps over the one fixed context: one set of launches that
+                # scores the centroids once and streams the union of the rows' clusters once
+                ks, vs, off, cent = state["clustered"][layer]
+                t, _ = state["index"].thresholds(1)
+                o = dispatch.clustered_decode_batched(jnp.swapaxes(q, 1, 2), ks, vs, cent, off, t, cache_k, cache_v,
+                                                      q_pos, kv_pos, scale, self.method.vote)
+                if o is not None:
+                    return jnp.swapaxes(o, 1, 2)                             # [B, 1, Hq, d]
             # a Python loop over the (small) batch, not vmap: cuDNN attention's batching rule
             # rejects the masks of the gathered prefill path (seen on H200)
             rows = [one(q[b], None if q_pre is None else q_pre[b], cache_k[b], cache_v[b], q_pos[b], kv_pos[b])

@@ -126,3 +126,38 @@ def test_batch_decode_benchmark_plumbing(tmp_path):
     for r in res["rows"]:
         assert r["ok"] and r["squeezed_loop_ms"] > 0 and r["dense_shared_loop_ms"] > 0 and 0 < r["kept"] < 1
     assert "| 1024 | 2 |" in (tmp_path / "batch_decode.md").read_text()
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_batched_gpu_decode_path_equals_reference(model, vote):
+    """On GPU a batch's decode step goes through `clustered_decode_batched` (one set of launches
+    for every row; here interpreted): the same logits as the reference path row by row, each row
+    with its own question tokens in the cache."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from models.forward import forward_jit
+    from sqjax import dispatch
+    from sqjax.fixed_context import attention_state
+
+    c = FixedContext.build(model, DOC, Squeezed(sparsity=0.8, n_sink=1, vote=vote, capacity_fraction=1.0), chat=False)
+    calls = []
+    real = dispatch.clustered_decode_batched
+    states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
+    padded = fc._left_pad([c._question_ids(q) for q in QUESTIONS[:2]])
+    logits = {}
+    for backend, state in states.items():
+        hook = dataclasses.replace(c._hook, backend=backend)
+        cache = c._new_cache(padded.shape[1] + 4, 2)
+        _, cache, _ = c._forward(*fc._tokens_positions(padded, c.n_tokens), cache, False)   # the questions (prefill)
+        pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
+        dispatch.clustered_decode_batched = lambda *a, **k: calls.append(backend) or real(*a, **k)
+        try:
+            lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
+                                   attn_fn=hook, attn_state=state, logits="last")
+        finally:
+            dispatch.clustered_decode_batched = real
+        logits[backend] = np.asarray(lg)
+    assert "interpret" in calls
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)

@@ -841,3 +841,105 @@ def test_decode_hierarchical_lowers(fake_h100):
       sds((HKV, num_c, D)), sds((HKV, num_c + 1), i32), sds((HKV, num_c), i32), sds((HKV, num_s, D)),
       sds((HKV, num_s, D)))
   assert len(fake_h100) == 4                       # level 1, level 2, attention, merge
+
+
+# ----------------------------------------------------------------------------
+# Batched decode: B rows over one shared fixed context.
+# ----------------------------------------------------------------------------
+BATCH_CASES = [  # hq, hkv, vote, dtype, rows
+    (8, 2, "kv", jnp.float32, 3),
+    (8, 2, "q", jnp.float32, 3),       # 12 query heads per KV head, a bit each
+    (3, 3, "kv", jnp.float32, 2),      # 1:1
+    (6, 2, "kv", jnp.float32, 5),      # groups of 3, 15 stacked rows padded to 16
+    (8, 2, "kv", BF, 2),
+    (8, 2, "kv", jnp.float32, 1),
+]
+
+
+def batched_case(rng, hq, hkv, vote, dtype, n_rows, scale):
+  """One fixed context, n_rows rows with their own query, new keys (some slots empty, row 1's
+  all invisible) and position; a threshold in a wide gap of every row's scores."""
+  x, meta = make_case(rng, hq=hq, hkv=hkv, d=32, dtype=dtype)
+  rows = []
+  for b in range(n_rows):
+    xb, _ = make_case(np.random.default_rng(rng.integers(1 << 30)), hq=hq, hkv=hkv, d=32, dtype=dtype)
+    xb = dict(x, q=xb["q"], kn=xb["kn"], vn=xb["vn"], kvp=xb["kvp"], qp=xb["qp"] - b)
+    if b == 1:
+      xb["kvp"] = jnp.where(xb["kvp"] >= 0, xb["qp"][0] + 1 + jnp.arange(xb["kvp"].shape[0]), -1).astype(jnp.int32)
+    rows.append(xb)
+  s = [np_scores(r["q"], x["cent"], meta["counts"], scale, vote) for r in rows]
+  valid = np.repeat(meta["counts"] > 0, s[0].shape[0] // hkv, axis=0)
+  # select few per row (vote "q": per head), so the rows' union still leaves clusters out
+  kw = {"lo_q": 0.75, "hi_q": 0.95} if vote == "q" or n_rows > 1 else {}
+  thr = pick_threshold(np.concatenate(s), np.concatenate([valid] * n_rows), **kw)
+  return x, meta, rows, thr
+
+
+def stack_rows(rows, thr):
+  x0 = rows[0]
+  return (jnp.stack([r["q"] for r in rows]), x0["k"], x0["v"], x0["cent"], x0["offs"], jnp.float32(thr),
+          jnp.stack([r["kn"] for r in rows]), jnp.stack([r["vn"] for r in rows]),
+          jnp.concatenate([r["qp"] for r in rows]), jnp.stack([r["kvp"] for r in rows]))
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype,n_rows", BATCH_CASES)
+def test_decode_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows):
+  """The batched kernels (interpret mode) give each row what the one-row decode gives it: the
+  float64 brute force over the row's own selection, its own new keys; rows no row selects are
+  NaN (never read), and so are the new keys' empty slots."""
+  from pallas_kernels.clustered_attention import clustered_decode_batched, clustered_decode_batched_reference
+
+  scale = 32 ** -0.5
+  x, meta, rows, thr = batched_case(rng, hq, hkv, vote, dtype, n_rows, scale)
+  sels = [brute(r, thr, scale, vote)[1] for r in rows]
+  union = np.any(np.stack(sels), axis=0)
+  assert union.any() and not union[np.repeat(meta["counts"] > 0, union.shape[0] // hkv, 0)].all()
+  if n_rows > 1:
+    assert any((a != b).any() for a, b in zip(sels, sels[1:])), "rows should select differently"
+  poisoned = poison_unselected(x, meta, union)
+  rows = [dict(r, k=poisoned["k"], v=poisoned["v"]) for r in rows]
+  args = stack_rows(rows, thr)
+  out = clustered_decode_batched(*args, scale=scale, vote=vote, backend="interpret", config=SMALL)
+  ref = clustered_decode_batched_reference(*args, scale=scale, vote=vote)
+  assert out.shape == (n_rows, hq, 32) and out.dtype == dtype
+  assert not np.isnan(f64(out)).any()
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  for b, r in enumerate(rows):
+    want = brute(r, thr, scale, vote)[0][:, 0]
+    assert rel(out[b], want) < tol, b
+    assert rel(ref[b], want) < tol, b
+
+
+def test_decode_batched_extremes_and_validation(rng):
+  """Everything selected = dense attention per row; nothing selected keeps the exact part; clear
+  errors for wrong shapes and for more rows than the vote bits hold."""
+  from pallas_kernels.clustered_attention import clustered_decode_batched, clustered_decode_batched_reference
+
+  scale = 32 ** -0.5
+  _, _, rows, _ = batched_case(rng, 8, 2, "kv", jnp.float32, 2, scale)
+  for thr in (-1.0, 1e30):
+    args = stack_rows(rows, thr)
+    out = clustered_decode_batched(*args, scale=scale, backend="interpret", config=SMALL)
+    ref = clustered_decode_batched_reference(*args, scale=scale)
+    assert rel(out, ref) < 2e-5 and not np.isnan(f64(out)).any()
+  args = list(stack_rows(rows, 0.0))
+  with pytest.raises(ValueError, match=r"q must be \[B, Hq, d\]; got q\(8, 32\)"):
+    clustered_decode_batched(args[0][0], *args[1:], scale=scale, backend="interpret")
+  with pytest.raises(ValueError, match=r"k_new and v_new \[B, Hkv, S, d\]"):
+    clustered_decode_batched(*args[:6], args[6][0], args[7][0], *args[8:], scale=scale, backend="interpret")
+  with pytest.raises(ValueError, match=r"q_pos \[B\] and kv_pos_new \[B, S\]"):
+    clustered_decode_batched(*args[:8], args[8][:1], args[9], scale=scale, backend="interpret")
+  big = [jnp.repeat(a, 8, axis=0) for a in (args[0], args[6], args[7], args[8], args[9])]   # 16 rows x 4 heads
+  with pytest.raises(ValueError, match="vote='q' keeps one bit per query head.*split the batch"):
+    clustered_decode_batched(big[0], *args[1:6], *big[1:], scale=scale, vote="q", backend="interpret")
+
+
+def test_decode_batched_lowers(fake_h100):
+  from pallas_kernels.clustered_attention import clustered_decode_batched
+
+  num_l, num_c, num_s, n_rows = 524288, 26214, 16, 4
+  _lower(lambda *a: clustered_decode_batched(*a, scale=D ** -0.5, backend="pallas"),
+         sds((n_rows, HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c, D)),
+         sds((HKV, num_c + 1), jnp.int32), sds((), jnp.float32), sds((n_rows, HKV, num_s, D)),
+         sds((n_rows, HKV, num_s, D)), sds((n_rows,), jnp.int32), sds((n_rows, num_s), jnp.int32))
+  assert len(fake_h100) == 3                       # scoring + attention + merge kernels
