@@ -77,7 +77,7 @@ from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, cen
                                             centroid_lookup_reference, lookup_decode_raw)
 from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
                                                 hierarchical_lookup_reference)
-from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
+from pallas_kernels.sparse_attention import dense_reference, gather_then_dense_attention, merge_lse, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention", "clustered_decode_batched",
            "clustered_decode_batched_reference",
@@ -878,32 +878,15 @@ def check_batched(n_rows: int, hq: int, hkv: int, vote: str) -> str | None:
 
 
 def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale):
-  """Attention of one token's heads q [Hq, d] over its own new keys [Hkv, S, d] (visible:
-  0 <= kv_pos <= q_pos) -> (o [Hq, d] f32, lse [Hq] f32, -inf where nothing is visible)."""
-  g = q.shape[0] // k_new.shape[0]
+  """One token's heads q [Hq, d] over its own new keys [Hkv, S, d] (visible: 0 <= kv_pos <=
+  q_pos; empty slots may hold anything) -> (o [Hq, d] f32, lse [Hq] f32, -inf if none visible)."""
+  hq, d = q.shape
+  hkv = k_new.shape[0]
   vis = (kv_pos_new >= 0) & (kv_pos_new <= q_pos)                        # [S]
-  live = vis[None, :, None]                                              # empty slots may hold anything
-  kq = jnp.where(live, jnp.repeat(k_new, g, axis=0).astype(jnp.float32), 0.0)   # [Hq, S, d]
-  vq = jnp.where(live, jnp.repeat(v_new, g, axis=0).astype(jnp.float32), 0.0)
-  s = jnp.einsum("hd,hsd->hs", q.astype(jnp.float32), kq) * scale
-  s = jnp.where(vis[None, :], s, -jnp.inf)
-  mx = jnp.max(s, axis=1, initial=-jnp.inf)
-  ok = jnp.isfinite(mx)
-  w = jnp.where(vis[None, :], jnp.exp(s - jnp.where(ok, mx, 0.0)[:, None]), 0.0)
-  den = jnp.sum(w, axis=1)
-  o = jnp.einsum("hs,hsd->hd", w, vq) / jnp.where(ok, den, 1.0)[:, None]
-  return jnp.where(ok[:, None], o, 0.0), jnp.where(ok, mx + jnp.log(jnp.where(ok, den, 1.0)), -jnp.inf)
-
-
-def _merge_two(o1, lse1, o2, lse2):
-  """Log-sum-exp merge of two normalised partials (o [..., d], lse [...]; -inf = empty)."""
-  mx = jnp.maximum(lse1, lse2)
-  ok = jnp.isfinite(mx)
-  m0 = jnp.where(ok, mx, 0.0)
-  w1, w2 = jnp.exp(lse1 - m0), jnp.exp(lse2 - m0)
-  den = w1 + w2
-  o = (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(ok, den, 1.0)[..., None]
-  return jnp.where(ok[..., None], o, 0.0)
+  live = vis[None, :, None]
+  o, lse = dense_reference(q.reshape(hkv, hq // hkv, 1, d), jnp.where(live, k_new, 0), jnp.where(live, v_new, 0),
+                           jnp.broadcast_to(vis, (hkv, 1, vis.shape[0])), scale=scale)
+  return o.reshape(hq, d), lse.reshape(hq)
 
 
 def _validate_batched(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, vote):
@@ -981,7 +964,7 @@ def clustered_decode_batched(
   lse = lse.reshape(hkv, n_rows, g).swapaxes(0, 1).reshape(n_rows, hq)
   if k_new.shape[2]:
     o2, lse2 = jax.vmap(functools.partial(_new_part, scale=scale))(q, k_new, v_new, q_pos, kv_pos_new)
-    o = _merge_two(o, lse, o2, lse2)
+    o, _ = merge_lse([(o, lse), (o2, lse2)])
   return o.astype(q.dtype)
 
 

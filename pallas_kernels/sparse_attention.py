@@ -86,6 +86,24 @@ def dense_reference(q, keys, values, mask, *, scale):
   return out, lse
 
 
+def merge_lse(parts):
+  """Log-sum-exp merge of normalised partial results over disjoint key sets: parts = [(o [..., d],
+  lse [...])], lse = -inf where a part saw nothing (its o is then ignored, whatever it holds).
+  -> (o [..., d] f32, 0 where no part saw anything; lse [...] f32, -inf there)."""
+  mx = functools.reduce(jnp.maximum, [lse for _, lse in parts])
+  ok = jnp.isfinite(mx)
+  m0 = jnp.where(ok, mx, 0.0)
+  den, out = 0.0, 0.0
+  for o, lse in parts:
+    w = jnp.where(ok, jnp.exp(lse - m0), 0.0)
+    den = den + w
+    out = out + jnp.where((w > 0)[..., None], o.astype(jnp.float32), 0.0) * w[..., None]
+  live = den > 0
+  safe = jnp.where(live, den, 1.0)
+  return (jnp.where(live[..., None], out / safe[..., None], 0.0),
+          jnp.where(live, m0 + jnp.log(safe), -jnp.inf))
+
+
 def _kv_head_of_selection(hq, hkv, hs):
   r = hq // hs
   return (jnp.arange(hs, dtype=jnp.int32) * r) // (hq // hkv)
@@ -371,20 +389,9 @@ def gather_then_dense_attention(
         layout="BNTH")                                            # [1, Hq, T, d], [1, Hq, T]
     has2 = jnp.broadcast_to(jnp.any(vis, axis=1)[None, :], (hq, seq_len))
     parts.append((o2[0], lse2[0], has2))
-  out = jnp.zeros((hq, seq_len, d), jnp.float32)
   if not parts:
-    lse = jnp.full((hq, seq_len), -jnp.inf)
-    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
-  lses = [jnp.where(h, jnp.nan_to_num(x), -jnp.inf) for _, x, h in parts]
-  mx = functools.reduce(jnp.maximum, lses)
-  ok = jnp.isfinite(mx)
-  mx_safe = jnp.where(ok, mx, 0.0)
-  den = jnp.zeros_like(mx_safe)
-  for (o_i, _, h), lse_i in zip(parts, lses):
-    w = jnp.where(h & ok, jnp.exp(lse_i - mx_safe), 0.0)
-    den = den + w
-    out = out + jnp.where(h[..., None], o_i.astype(jnp.float32), 0.0) * w[..., None]
-  safe = jnp.where(den > 0, den, 1.0)
-  out = jnp.where((den > 0)[..., None], out / safe[..., None], 0.0).astype(q.dtype)
-  lse = jnp.where(den > 0, mx_safe + jnp.log(safe), -jnp.inf)
+    out, lse = jnp.zeros((hq, seq_len, d), q.dtype), jnp.full((hq, seq_len), -jnp.inf)
+    return (out, lse) if return_lse else out
+  out, lse = merge_lse([(o_i, jnp.where(h, jnp.nan_to_num(x), -jnp.inf)) for o_i, x, h in parts])
+  out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
