@@ -107,9 +107,6 @@ class ClusteredConfig:
   block_k: K/V rows per tile (power of two >= 16).
   chunk_new: user-input keys per program (multiple of block_k) or None (auto).
   exact_programs: programs per KV head for the exact part (>= 1).
-  prefetch_tiles: kernel B loads tile t + 1's K/V rows into registers before it attends
-    tile t (double buffering written out in the loop; meant for ``num_stages=1``, where
-    Triton's own pipelining of the tile loop, and its fixed cost, is off).
   reduce_stats_first: reduce the scoring kernel's per-block (m, l) to one (M, D)
     per head in XLA before kernel B (otherwise every cluster program reduces the
     block statistics itself).  Always done when statistics are combined across
@@ -137,7 +134,6 @@ class ClusteredConfig:
   score_stages: int = 2
   target_programs: int = 1536
   reduce_stats_first: bool = False
-  prefetch_tiles: bool = False
 
   def __post_init__(self):
     cm.check_pow2("block_c", self.block_c)
@@ -194,7 +190,6 @@ class _Plan:
   n_ex: int        # exact-part programs per KV head
   vote: str
   n_seg: int = 1   # vote "kv": the g stacked rows are n_seg rows (questions) of g / n_seg heads, each voting alone
-  prefetch: bool = False  # kernel B: next tile's rows loaded before the current one is attended
 
   @property
   def n_prog(self) -> int:
@@ -236,7 +231,7 @@ def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig, n_se
                dp=cm.padded_head_dim(d), block_c=block_c, score_blocks=score_blocks, n_a=n_a,
                n_a2=max(16, cm.next_pow2(n_a)), n_sa=max(16, cm.next_pow2(n_a)), n_sv=n_a, bc=bc, bcs=bcs, n_cb=n_cb, cx=cx,
                block_k=bk, chunk_new=chunk_new, n_new=n_new, n_ex=cfg.exact_programs,
-               vote=vote, n_seg=n_seg, prefetch=cfg.prefetch_tiles)
+               vote=vote, n_seg=n_seg)
 
 
 # ----------------------------------------------------------------------------
@@ -423,49 +418,29 @@ def _attn_kernel(thr_ref,      # [1] f32
     total = jnp.sum(size)
     delta = start - vstart                                             # row = j + delta
 
-    def tile_rows(t):
-      """Tile ``t``'s rows [Bk] (in bounds), validity [Bk] and row bits [Bk] (bit r set:
-      stacked query row r attends the row; 0 where invalid)."""
+    def tile_body(t, carry):
       j = t * p.block_k + jj                                           # virtual rows
       jv = j < total
       if vote_q or seg_vote:
         inr = (vstart[None, :] <= j[:, None]) & (j[:, None] < vend[None, :])   # [Bk, Bcs]
         row = j + jnp.sum(jnp.where(inr, delta[None, :], 0), axis=1)
-        rb = jnp.where(jv, jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1), 0)   # head / segment bits
+        rb = jnp.sum(jnp.where(inr, bits[None, :], 0), axis=1)         # [Bk] head / segment bits
+        mask = jv[None, :] & ((jnp.right_shift(rb[None, :], row_bit[:, None]) & 1) == 1)
       else:
         # {c : vstart_c <= j} is the prefix ending at j's cluster c*, and delta is
         # non-decreasing over real clusters (delta_{c+1} - delta_c = unselected rows of
         # c), so max over the prefix = delta_{c*}: one compare + select + max per slot.
         row = j + jnp.max(jnp.where(vstart[None, :] <= j[:, None], delta[None, :],
                                     jnp.iinfo(jnp.int32).min), axis=1)
-        rb = jnp.where(jv, i32(-1), i32(0))                            # every stacked row
+        mask = jnp.broadcast_to(jv[None, :], (p.rp, p.block_k))
       # in bounds whatever the offsets hold (well-formed offsets never need the clip)
-      return kv * p.num_l + jnp.clip(row, 0, p.num_l - 1), jv, rb
-
-    def tile_mask(rb):                                                 # [rp, Bk]
-      if vote_q or seg_vote:
-        return (jnp.right_shift(rb[None, :], row_bit[:, None]) & 1) == 1
-      return jnp.broadcast_to((rb != 0)[None, :], (p.rp, p.block_k))
-
-    def tile_body(t, carry):
-      rows, jv, rb = tile_rows(t)
+      rows = kv * p.num_l + jnp.clip(row, 0, p.num_l - 1)
       kt = cm.gather_rows(k_ref, rows, p.dp, jv)                       # [Bk, dp]
       vt = cm.gather_rows(v_ref, rows, p.dp, jv)
-      return core._online_update(carry, q, kt, vt, tile_mask(rb), scale)
-
-    def tile_body_prefetch(t, carry):
-      acc, kt, vt, rb = carry[:3], carry[3], carry[4], carry[5]
-      rows_n, jv_n, rb_n = tile_rows(t + 1)                            # past the end: nothing read
-      kn = cm.gather_rows(k_ref, rows_n, p.dp, jv_n)
-      vn = cm.gather_rows(v_ref, rows_n, p.dp, jv_n)
-      return (*core._online_update(acc, q, kt, vt, tile_mask(rb), scale), kn, vn, rb_n)
+      return core._online_update(carry, q, kt, vt, mask, scale)
 
     n_tiles = cm.kcdiv(total, p.block_k).astype(i32)
-    if not p.prefetch:
-      return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
-    rows0, jv0, rb0 = tile_rows(i32(0))
-    first_tile = (cm.gather_rows(k_ref, rows0, p.dp, jv0), cm.gather_rows(v_ref, rows0, p.dp, jv0), rb0)
-    return lax.fori_loop(i32(0), n_tiles, tile_body_prefetch, (*carry, *first_tile))[:3]
+    return lax.fori_loop(i32(0), n_tiles, tile_body, carry)
 
   carry = lax.fori_loop(i32(0), n_sub_loop, sub_body, carry)
   o, m, l = carry

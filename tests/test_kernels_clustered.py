@@ -246,15 +246,11 @@ DECODE_CASES = [  # hq, hkv, vote, dtype, d
 # in blocks of 16, 2 blocks leave the second program one real block and one past the end.
 MULTI_BLOCK = [(8, 2, "kv", jnp.float32, 32, 2), (8, 2, "q", jnp.float32, 32, 3),
                (8, 2, "kv", BF, 32, 2)]
-# Kernel B's tile loop with the next tile's rows prefetched (``prefetch_tiles``), one stage.
-PREFETCH = [(8, 2, "kv", jnp.float32, 32, 1, True), (6, 2, "q", jnp.float32, 32, 1, True),
-            (8, 2, "kv", BF, 32, 2, True)]
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks,prefetch",
-                         [c + (1, False) for c in DECODE_CASES] + [c + (False,) for c in MULTI_BLOCK]
-                         + PREFETCH)
-def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks, prefetch):
+@pytest.mark.parametrize("hq,hkv,vote,dtype,d,score_blocks",
+                         [c + (1,) for c in DECODE_CASES] + MULTI_BLOCK)
+def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_blocks):
   scale = d ** -0.5
   x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
   thr = threshold_for(x, meta, scale, vote)
@@ -264,8 +260,7 @@ def test_decode_interpret_matches_reference(rng, hq, hkv, vote, dtype, d, score_
   assert big, "need clusters larger than the row tile"
   x = poison_unselected(x, meta, sel_np)
   args = args_of(x, thr)
-  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2),
-                            prefetch_tiles=prefetch, num_stages=1 if prefetch else SMALL.num_stages)
+  cfg = dataclasses.replace(SMALL, score_blocks=score_blocks, score_stages=min(score_blocks, 2))
   out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote, return_stats=True,
                                               backend="interpret", config=cfg)
   ref, rsel, rrows = clustered_decode_attention_reference(*args, scale=scale, vote=vote,
@@ -691,7 +686,6 @@ def test_decode_selected_lowers(fake_h100):
     ClusteredConfig(block_clusters=256, sub_clusters=64, block_k=32, num_stages=3),
     ClusteredConfig(block_clusters=512, sub_clusters=128, num_warps=8),
     ClusteredConfig(score_blocks=4, score_stages=2),
-    ClusteredConfig(prefetch_tiles=True, num_stages=1),
 ])
 def test_decode_configs_lower(fake_h100, cfg):
   num_l, num_c, num_s = 131072, 6554, 1024
@@ -860,7 +854,6 @@ BATCH_CASES = [  # hq, hkv, vote, dtype, rows
     (8, 2, "kv", BF, 2),
     (8, 2, "kv", jnp.float32, 1),
 ]
-PREFETCH_SMALL = dataclasses.replace(SMALL, prefetch_tiles=True, num_stages=1)
 
 
 def batched_case(rng, hq, hkv, vote, dtype, n_rows, scale):
@@ -889,9 +882,8 @@ def stack_rows(rows, thr):
           jnp.concatenate([r["qp"] for r in rows]), jnp.stack([r["kvp"] for r in rows]))
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,n_rows,cfg", [c + (SMALL,) for c in BATCH_CASES]
-                         + [(6, 2, "kv", jnp.float32, 5, PREFETCH_SMALL)])
-def test_decode_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows, cfg):
+@pytest.mark.parametrize("hq,hkv,vote,dtype,n_rows", BATCH_CASES)
+def test_decode_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows):
   """The batched kernels (interpret mode) give each row what the one-row decode gives it: the
   float64 brute force over the row's own selection, its own new keys; rows no row selects are
   NaN (never read), and so are the new keys' empty slots."""
@@ -907,7 +899,7 @@ def test_decode_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows, cfg):
   poisoned = poison_unselected(x, meta, union)
   rows = [dict(r, k=poisoned["k"], v=poisoned["v"]) for r in rows]
   args = stack_rows(rows, thr)
-  out = clustered_decode_batched(*args, scale=scale, vote=vote, backend="interpret", config=cfg)
+  out = clustered_decode_batched(*args, scale=scale, vote=vote, backend="interpret", config=SMALL)
   ref = clustered_decode_batched_reference(*args, scale=scale, vote=vote)
   assert out.shape == (n_rows, hq, 32) and out.dtype == dtype
   assert not np.isnan(f64(out)).any()
@@ -925,9 +917,9 @@ def test_decode_batched_extremes_and_validation(rng):
 
   scale = 32 ** -0.5
   _, _, rows, _ = batched_case(rng, 8, 2, "kv", jnp.float32, 2, scale)
-  for thr, cfg in ((-1.0, SMALL), (1e30, SMALL), (-1.0, PREFETCH_SMALL), (1e30, PREFETCH_SMALL)):
+  for thr in (-1.0, 1e30):
     args = stack_rows(rows, thr)
-    out = clustered_decode_batched(*args, scale=scale, backend="interpret", config=cfg)
+    out = clustered_decode_batched(*args, scale=scale, backend="interpret", config=SMALL)
     ref = clustered_decode_batched_reference(*args, scale=scale)
     assert rel(out, ref) < 2e-5 and not np.isnan(f64(out)).any()
   args = list(stack_rows(rows, 0.0))
