@@ -86,6 +86,12 @@ class Method:
 
     #: True when one key set serves the whole query block (padding queries must not vote)
     block_level: ClassVar[bool] = False
+    #: True when every layer attends the whole fixed context (full attention)
+    always_dense: ClassVar[bool] = False
+
+    def dense_at(self, layer: int) -> bool:
+        """Whether `layer` attends the whole fixed context (its selection is `dense_selection`)."""
+        return self.always_dense or layer < self.dense_layers
 
     def selection_heads(self, n_q_heads: int, n_kv_heads: int) -> int:
         """Hs: one key set per KV head unless the method selects per query head (vote="q")."""
@@ -122,6 +128,7 @@ class Full(Method):
     """Exact attention over the whole fixed context."""
 
     name: ClassVar[str] = "full"
+    always_dense: ClassVar[bool] = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from _tiny_model import tiny_model
 
 from sqjax import fixed_context as fc
 from sqjax.fixed_context import FixedContext, SqjaxError
-from sqjax.methods import HierarchicalSqueezed, Quest, Saap, Squeezed
+from sqjax.methods import Full, HierarchicalSqueezed, Quest, Saap, Squeezed
 
 DOC = " ".join(f"Shelf {i} holds a {w} next to box {i % 5}." for i, w in
                zip(range(50), ["kettle", "drill", "lamp", "ladder", "globe"] * 10))
@@ -38,7 +38,8 @@ def _same_answer(got, ref):
 
 
 @pytest.mark.parametrize("method", [None, HierarchicalSqueezed(sparsity=0.8, n_sink=1), Quest(budget=0.3),
-                                    Saap(probes=4)], ids=lambda m: "squeezed" if m is None else m.name)
+                                    Saap(probes=4), Full(), Squeezed(sparsity=0.8, n_sink=1, dense_layers=1)],
+                         ids=lambda m: "squeezed" if m is None else m.name + ("_dense1" if m.dense_layers else ""))
 def test_batch_equals_one_by_one(ctx, method):
     c = ctx if method is None else ctx.with_method(method)
     assert len({len(c._question_ids(q)) for q in QUESTIONS}) == 3
@@ -160,4 +161,64 @@ def test_batched_gpu_decode_path_equals_reference(model, vote):
             dispatch.clustered_decode_batched = real
         logits[backend] = np.asarray(lg)
     assert "interpret" in calls
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend,dtype,num_s", [("reference", "float32", 9), ("interpret", "float32", 9),
+                                                  ("interpret", "bfloat16", 9), ("interpret", "float32", 0)])
+def test_dense_decode_batched_equals_rows(backend, dtype, num_s):
+    """Full attention for B rows over one shared fixed context (the rows folded into one pass over
+    it) equals each row's own exact attention: GQA 4:1, ragged visibility of each row's new keys
+    (one row sees none, one has empty slots), no new keys at all."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import dense_attention_reference
+    from sqjax import dispatch
+
+    rng = np.random.default_rng(7)
+    n_rows, hq, hkv, num_l, d = 3, 8, 2, 45, 16
+    dt = jnp.dtype(dtype)
+    q = jnp.asarray(rng.normal(size=(n_rows, hq, 1, d)), dt)
+    k, v = (jnp.asarray(rng.normal(size=(hkv, num_l, d)), dt) for _ in range(2))
+    kn, vn = (jnp.asarray(rng.normal(size=(n_rows, hkv, num_s, d)), dt) for _ in range(2))
+    q_pos = jnp.asarray([[60], [52], [70]], jnp.int32)
+    kvp = np.tile(np.arange(50, 50 + num_s), (n_rows, 1))
+    kvp[1] = 53 + np.arange(num_s)                        # row 1: every new key is in its future
+    kvp[2, ::3] = -1                                      # row 2: empty slots
+    kvp = jnp.asarray(kvp, jnp.int32)
+    with dispatch.using(backend):
+        got = np.asarray(dispatch.dense_decode_batched(q, k, v, kn, vn, q_pos, kvp, d ** -0.5), np.float64)
+    assert got.shape == (n_rows, hq, 1, d) and not np.isnan(got).any()
+    for b in range(n_rows):
+        want = dense_attention_reference(q[b], k, v, kn[b], vn[b], q_pos[b], kvp[b], scale=d ** -0.5)
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        np.testing.assert_allclose(got[b], np.asarray(want), atol=tol, rtol=tol)
+
+
+def test_full_attention_batch_reads_the_context_once(model, monkeypatch):
+    """A batch's decode step with full attention goes through `dense_decode_batched` on every
+    backend (the rows folded into one pass over the fixed context); interpreted on the Pallas dense
+    kernel it gives the reference's logits."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from models.forward import forward_jit
+    from sqjax import dispatch
+
+    c = FixedContext.build(model, DOC, Full(), chat=False)
+    calls = []
+    real = dispatch.dense_decode_batched
+    monkeypatch.setattr(dispatch, "dense_decode_batched", lambda *a, **k: calls.append(dispatch.resolved()) or real(*a, **k))
+    padded = fc._left_pad([c._question_ids(q) for q in QUESTIONS[:2]])
+    logits = {}
+    for backend in ("reference", "interpret"):
+        hook = dataclasses.replace(c._hook, backend=backend)
+        cache = c._new_cache(padded.shape[1] + 4, 2)
+        _, cache, _ = c._forward(*fc._tokens_positions(padded, c.n_tokens), cache, False)
+        pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
+        lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
+                               attn_fn=hook, attn_state=c._state, logits="last")
+        logits[backend] = np.asarray(lg)
+    assert set(calls) == {"reference", "interpret"}
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
