@@ -71,6 +71,7 @@ class Plan:
     e2e_inter: int = 14336
     e2e_vocab: int = 128256
     e2e_steps: int = 16
+    e2e_batches: tuple = (4, 8)   # `ask_many` batch sizes timed in the end-to-end section
     reps: int = 10
     # decode calls per device loop (time_ms_looped): 300, so that the program's own dispatch and final
     # sync, paid once per loop, fall out; at 30 the same kernels came out 6-12 us slower per call on an
@@ -93,7 +94,7 @@ def cpu_plan() -> Plan:
     return Plan(lengths=(1024,), sparsities=(0.8, 0.9), prefill=(32,), hq=4, hkv=2, d=16, shapes=((4, 2), (4, 4)),
                 other_shape_lengths=(1024,), offline_layers=2,
                 offline_length=1024, e2e_length=1024, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256,
-                e2e_steps=3, reps=2, loop_iters=2, unroll_calls=2, prefill_loop_iters=2, deadline_s=600, cpu=True, backend="interpret")
+                e2e_steps=3, e2e_batches=(2,), reps=2, loop_iters=2, unroll_calls=2, prefill_loop_iters=2, deadline_s=600, cpu=True, backend="interpret")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,12 +693,35 @@ def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
 _ASK_TIMED_CALLS = 3   # `ask` calls timed after the first (which compiles); rows take their medians
 
 
-def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log) -> dict:
+def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
+    """`FixedContext.ask_many` with `n_rows` questions (the question with a different number appended
+    to each): the step time (each call's median step), time to first token and the whole call, each
+    the median over `_ASK_TIMED_CALLS` calls after the first (which compiles); tokens/s counts every
+    row's tokens (n_rows per step)."""
+    questions = [f"{question} ({i + 1})" for i in range(n_rows)]
+    calls = []
+    for _ in range(1 + _ASK_TIMED_CALLS):
+        t0 = time.perf_counter()
+        answers = ctx.ask_many(questions, max_new_tokens=n_new)
+        calls.append((answers[0].stats, time.perf_counter() - t0, [a.stats.kv_budget for a in answers]))
+    timed = calls[1:]
+    step = [c.time_per_output_token_s for c, _, _ in timed]
+    return {"rows": n_rows, "n_new_tokens": timed[-1][0].n_new_tokens, "ms_per_step": 1e3 * float(np.median(step)),
+            "tokens_per_s": n_rows / float(np.median(step)),
+            "ttft_s": float(np.median([c.time_to_first_token_s for c, _, _ in timed])),
+            "ask_many_s": float(np.median([w for _, w, _ in timed])), "kv_budget_rows": timed[-1][2],
+            "ms_per_step_calls": [1e3 * x for x in step]}
+
+
+def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log, batches=()) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
     carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
     context, for each (name, method, index): time to first token, time per output token (each
     call's median) and the whole call, each the median over `_ASK_TIMED_CALLS` calls after the
-    first (which compiles; every call's values are kept), and the KV budget."""
+    first (which compiles; every call's values are kept), and the KV budget. Then `ask_many` for
+    each batch size in `batches` (`_ask_many_row`): several questions over the one fixed context,
+    full attention's rows folded into one pass over it (`sqjax.dispatch.dense_decode_batched`),
+    Squeezed's through `clustered_decode_batched` (one level)."""
     from sqjax.fixed_context import FixedContext
 
     question = ("Which of the measurements in the document above was taken on the largest input, and by how "
@@ -731,6 +755,14 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log)
                 + ", ".join(f"{1e3 * x:.1f}" for x in ttft) + "), "
                 f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {rows[name]['ask_s']:.2f} s, "
                 f"KV budget {st.kv_budget:.3f}")
+            for n_rows in batches:
+                try:
+                    r = rows[name].setdefault("batches", {})[str(n_rows)] = _ask_many_row(ctx, question, n_rows, n_new)
+                    log(f"[e2e] ask_many, {name}, {n_rows} questions: {r['ms_per_step']:.2f} ms/step, "
+                        f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms")
+                except Exception as e:  # noqa: BLE001
+                    rows[name].setdefault("batches", {})[str(n_rows)] = {"error": _err(e)}
+                    log(f"[e2e] ask_many, {name}, {n_rows} questions: ERROR {_err(e)}")
             del ctx
         except Exception as e:  # noqa: BLE001
             rows[name] = {"error": _err(e)}
@@ -739,6 +771,10 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log)
     if all("tokens_per_s" in rows.get(n, {}) for n in ("squeezed", "full")):
         rows["speedup"] = rows["squeezed"]["tokens_per_s"] / rows["full"]["tokens_per_s"]
         rows["ttft_speedup"] = rows["full"]["ttft_s"] / rows["squeezed"]["ttft_s"]
+    for n_rows in batches:
+        a, b = (rows.get(n, {}).get("batches", {}).get(str(n_rows), {}) for n in ("squeezed", "full"))
+        if "tokens_per_s" in a and "tokens_per_s" in b:
+            rows.setdefault("batch_speedup", {})[str(n_rows)] = a["tokens_per_s"] / b["tokens_per_s"]
     return rows
 
 
@@ -1023,7 +1059,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
 
     model = LoadedModel(graphdef, state, cfg, _ByteTokenizer(cfg.vocab_size), source="random", dtype=BF16)
     out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), Full().build(data)[0])), data,
-                           length, n_prompt, n_steps, log)
+                           length, n_prompt, n_steps, log, batches=plan.e2e_batches)
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     kv = data.k.size * data.k.dtype.itemsize * 2
     out["bytes_weights"] = float(weights)
@@ -1270,7 +1306,7 @@ def to_markdown(res: dict) -> str:
                    "| method | question tokens | new tokens | TTFT ms | ms / token | tokens/s | whole call s | KV budget |",
                    "|---|---|---|---|---|---|---|---|"]
             for name, r in ask.items():
-                if not isinstance(r, dict):
+                if not isinstance(r, dict) or name == "batch_speedup":
                     continue
                 if "error" in r:
                     md.append(f"| {name} | error: {r['error'][:80]} | | | | | | |")
@@ -1281,6 +1317,20 @@ def to_markdown(res: dict) -> str:
                           f"{r['ask_s']:.2f} | {r['kv_budget']:.3f} |")
             if "speedup" in ask:
                 md.append(f"\n`ask` decode speedup {ask['speedup']:.2f}×, TTFT speedup {ask['ttft_speedup']:.2f}×.")
+            batched = [(name, n, b) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
+                       for n, b in r.get("batches", {}).items()]
+            if batched:
+                md += ["", "`FixedContext.ask_many`: several questions in one batch over the same fixed context "
+                       "(tokens/s counts every row's tokens; full attention reads the context once per step for "
+                       "all rows):", "", "| method | questions | ms / step | tokens/s | TTFT ms | whole call s | "
+                       "speed-up vs full |", "|---|---|---|---|---|---|---|"]
+                for name, n, b in batched:
+                    if "error" in b:
+                        md.append(f"| {name} | {n} | error: {b['error'][:80]} | | | | |")
+                        continue
+                    sp = ask.get("batch_speedup", {}).get(n) if name == "squeezed" else None
+                    md.append(f"| {name} | {n} | {b['ms_per_step']:.3f} | {b['tokens_per_s']:.1f} | "
+                              f"{1e3 * b['ttft_s']:.1f} | {b['ask_many_s']:.2f} | {_f(sp, 2, '×')} |")
         md.append("")
     if res.get("errors"):
         md += ["## Errors", ""] + [f"- {e}" for e in res["errors"]]

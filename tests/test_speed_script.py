@@ -120,6 +120,14 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
     assert ask["full"]["kv_budget"] == 1.0 and 0 < ask["squeezed"]["kv_budget"] < 1.0
     assert ask["speedup"] == ask["squeezed"]["tokens_per_s"] / ask["full"]["tokens_per_s"]
     assert "`FixedContext.ask` on the same model" in (tmp_path / "speed.md").read_text()
+    for name in ("squeezed", "full"):   # ask_many with 2 questions over the same context
+        b = ask[name]["batches"]["2"]
+        assert "error" not in b, b
+        assert b["rows"] == 2 and b["n_new_tokens"] == 3 and len(b["ms_per_step_calls"]) == 3
+        assert b["tokens_per_s"] == pytest.approx(2e3 / b["ms_per_step"]) and b["ask_many_s"] >= b["ttft_s"] > 0
+        assert len(b["kv_budget_rows"]) == 2
+    assert ask["batch_speedup"]["2"] == ask["squeezed"]["batches"]["2"]["tokens_per_s"] / ask["full"]["batches"]["2"]["tokens_per_s"]
+    assert "| squeezed | 2 |" in (tmp_path / "speed.md").read_text()
 
 
 def test_stable_step_matches_forward_and_reuses_its_buffers():
