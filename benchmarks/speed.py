@@ -72,6 +72,7 @@ class Plan:
     e2e_vocab: int = 128256
     e2e_steps: int = 16
     e2e_batches: tuple = (4, 8)   # `ask_many` batch sizes timed in the end-to-end section
+    e2e_ask_only: bool = False    # end-to-end section: only `ask` / `ask_many` (no decode-loop variants)
     reps: int = 10
     # decode calls per device loop (time_ms_looped): 300, so that the program's own dispatch and final
     # sync, paid once per loop, fall out; at 30 the same kernels came out 6-12 us slower per call on an
@@ -710,6 +711,7 @@ def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
             "tokens_per_s": n_rows / float(np.median(step)),
             "ttft_s": float(np.median([c.time_to_first_token_s for c, _, _ in timed])),
             "ask_many_s": float(np.median([w for _, w, _ in timed])), "kv_budget_rows": timed[-1][2],
+            "first_call_s": calls[0][1],
             "ms_per_step_calls": [1e3 * x for x in step]}
 
 
@@ -759,7 +761,8 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log,
                 try:
                     r = rows[name].setdefault("batches", {})[str(n_rows)] = _ask_many_row(ctx, question, n_rows, n_new)
                     log(f"[e2e] ask_many, {name}, {n_rows} questions: {r['ms_per_step']:.2f} ms/step, "
-                        f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms")
+                        f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms (first call, compiling: "
+                        f"{r['first_call_s']:.1f} s)")
                 except Exception as e:  # noqa: BLE001
                     rows[name].setdefault("batches", {})[str(n_rows)] = {"error": _err(e)}
                     log(f"[e2e] ask_many, {name}, {n_rows} questions: ERROR {_err(e)}")
@@ -890,6 +893,9 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     n_prompt, n_steps = (128 if not plan.cpu else 8), plan.e2e_steps
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
 
+    if plan.e2e_ask_only:
+        del full_state
+        return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, data, length, n_prompt, n_steps, log)
     # the model's decode queries (one token after the question, full attention upstream)
     q_dec = model_queries(full_hook, full_state, tokens[:, :1], length + n_prompt)
     del full_state
@@ -1055,7 +1061,13 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     if all("attention_busy_ms_per_token" in out.get(n, {}) for n in ("squeezed", "full")):
         out["attention_busy_speedup"] = (out["full"]["attention_busy_ms_per_token"]
                                          / out["squeezed"]["attention_busy_ms_per_token"])
+    return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, data, length, n_prompt, n_steps, log)
+
+
+def _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, data, length, n_prompt, n_steps, log) -> dict:
+    """The end-to-end section's `ask` / `ask_many` rows and the byte bound."""
     from models.registry import LoadedModel
+    from sqjax.methods import Full
 
     model = LoadedModel(graphdef, state, cfg, _ByteTokenizer(cfg.vocab_size), source="random", dtype=BF16)
     out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), Full().build(data)[0])), data,
@@ -1235,7 +1247,7 @@ def to_markdown(res: dict) -> str:
                "(centroids, page bounds, bucket centroids), bf16. Speedup vs the fastest dense baseline of the same "
                "run.", ""]
     e2e = res.get("e2e")
-    if e2e and "squeezed" in e2e:
+    if e2e and ("squeezed" in e2e or "ask" in e2e):
         md += ["## End to end: Llama-3-8B-shaped model (random bf16 weights), batch 1", "",
                f"Fixed context {e2e.get('L')} tokens; index: {e2e.get('index_kmeans', 'the offline section’s')}. "
                "Synced = the host waits for each token before dispatching the next step; pipelined = "
@@ -1435,6 +1447,9 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--level1-prune", type=float, default=None,
                     help="fraction of keys level 1 rules out for the hierarchical kernel rows (default 0.5)")
     ap.add_argument("--phases", default="", help="decode,prefill (default both)")
+    ap.add_argument("--e2e-batches", default="", help="comma list of ask_many batch sizes (default 4,8; 0 = none)")
+    ap.add_argument("--e2e-ask-only", action="store_true",
+                    help="end-to-end section: only ask / ask_many (skip the decode-loop variants and probes)")
     ap.add_argument("--merge", default="", help="comma list of --out directories of runs on one commit: write their "
                     "merged speed.json / speed.md / plot to --out (no GPU needed, nothing is measured)")
     args = ap.parse_args(argv_or_args)
@@ -1457,6 +1472,10 @@ def main(argv_or_args=None) -> int:
         plan = dataclasses.replace(plan, deadline_s=args.budget_s)
     if args.level1_prune is not None:
         plan = dataclasses.replace(plan, level1_prune=args.level1_prune)
+    if args.e2e_batches:
+        plan = dataclasses.replace(plan, e2e_batches=tuple(int(x) for x in args.e2e_batches.split(",") if int(x) > 0))
+    if args.e2e_ask_only:
+        plan = dataclasses.replace(plan, e2e_ask_only=True)
     if args.shapes:
         plan = dataclasses.replace(plan, shapes=tuple(tuple(map(int, s.split("x"))) for s in args.shapes.split(",")))
     if not args.cpu_smoke and jax.default_backend() != "gpu":
