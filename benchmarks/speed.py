@@ -722,7 +722,7 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log,
     call's median) and the whole call, each the median over `_ASK_TIMED_CALLS` calls after the
     first (which compiles; every call's values are kept), and the KV budget. Then `ask_many` for
     each batch size in `batches` (`_ask_many_row`): several questions over the one fixed context,
-    full attention's rows folded into one pass over it (`sqjax.dispatch.dense_decode_batched`),
+    full attention's rows folded into one pass over it (`sqjax.dispatch.dense_attention_batched`),
     Squeezed's through `clustered_decode_batched` (one level)."""
     from sqjax.fixed_context import FixedContext
 

@@ -115,35 +115,37 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
                             scale=scale, backend=b)
 
 
-def dense_decode_batched(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale: float):
-    """One token of each of B rows over the WHOLE shared fixed context + each row's own causal
-    keys (full attention, a method's dense layers), reading the fixed context once per step, not
-    once per row: the rows are folded in as the tokens of one query block over the fixed keys (no
-    mask there: every fixed key is visible to every row), the split-KV dense kernel on a Pallas
-    backend and `attend_partial` on the reference one; each row's new keys are attended apart
-    and the two parts merged by log-sum-exp (`merge_partials`).
+def dense_attention_batched(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale: float):
+    """B rows (questions) over the WHOLE shared fixed context + each row's own causal keys (full
+    attention, a method's dense layers), reading the fixed context once per call, not once per row:
+    the rows' tokens are folded into one query block over the fixed keys (no mask there: every fixed
+    key is visible to every token), the split-KV dense kernel on a Pallas backend and
+    `attend_partial` on the reference one; each row's new keys are attended apart (causal by
+    position; left-padding tokens see none) and the two parts merged by log-sum-exp.
 
-    q [B, Hq, 1, d]; k_fixed, v_fixed [Hkv, L, d]; k_new, v_new [B, Hkv, S, d]; q_pos [B, 1];
-    kv_pos [B, S] -> [B, Hq, 1, d] in q's dtype.
+    q [B, Hq, T, d] (T = 1: a decode step; T > 1: the questions' prefill); k_fixed, v_fixed
+    [Hkv, L, d]; k_new, v_new [B, Hkv, S, d]; q_pos [B, T]; kv_pos [B, S] -> [B, Hq, T, d] in q's dtype.
     """
     from sqjax.attention import Partial, attend_partial, causal_mask, merge_partials
 
     b = resolved()
-    rows = jnp.swapaxes(q[:, :, 0], 0, 1)                                   # [Hq, B, d]
+    n_rows, hq, t, d = q.shape
+    rows = jnp.swapaxes(q, 0, 1).reshape(hq, n_rows * t, d)                # the rows' tokens as one block
     if b == "reference":
         fixed = attend_partial(rows, k_fixed, v_fixed, None, scale)
     else:
         from pallas_kernels import dense_decode_attention
 
         none = jnp.zeros((k_fixed.shape[0], 0, k_fixed.shape[2]), k_fixed.dtype)
-        o, lse = dense_decode_attention(rows, k_fixed, v_fixed, none, none, jnp.zeros((q.shape[0],), jnp.int32),
+        o, lse = dense_decode_attention(rows, k_fixed, v_fixed, none, none, jnp.zeros((n_rows * t,), jnp.int32),
                                         jnp.zeros((0,), jnp.int32), scale=scale, return_lse=True, backend=b)
         fixed = Partial(o.astype(jnp.float32), lse)
-    fixed = Partial(jnp.swapaxes(fixed.o, 0, 1)[:, :, None], jnp.swapaxes(fixed.lse, 0, 1)[:, :, None])
+    fixed = Partial(jnp.swapaxes(fixed.o.reshape(hq, n_rows, t, d), 0, 1),
+                    jnp.swapaxes(fixed.lse.reshape(hq, n_rows, t), 0, 1))          # [B, Hq, T(, d)]
     if not k_new.shape[2]:
         return fixed.o.astype(q.dtype)
     new = jax.vmap(lambda qb, kb, vb, qp, kp: attend_partial(qb, kb, vb, causal_mask(qp, kp), scale))(
-        q, k_new, v_new, q_pos, kv_pos)                                      # o [B, Hq, 1, d]
+        q, k_new, v_new, q_pos, kv_pos)
     return jax.vmap(merge_partials)(fixed, new).o.astype(q.dtype)
 
 
