@@ -95,11 +95,12 @@ class SparseAttentionHook:
                                                       q_pos, kv_pos, scale, self.method.vote)
                 if o is not None:
                     return jnp.swapaxes(o, 1, 2)                             # [B, 1, Hq, d]
-            # a Python loop over the (small) batch, not vmap: cuDNN attention's batching rule
-            # rejects the masks of the gathered prefill path (seen on H200)
-            rows = [one(q[b], None if q_pre is None else q_pre[b], cache_k[b], cache_v[b], q_pos[b], kv_pos[b])
-                    for b in range(q.shape[0])]
-            return jnp.stack(rows)
+            # rows one after another, not vmap: cuDNN attention's batching rule rejects the masks of the
+            # gathered prefill path (seen on H200); lax.map traces one row's attention once, where a
+            # Python loop wrote it out per row (a batch of 4 questions took 93 s to compile on an H200)
+            if q.shape[0] == 1:
+                return one(q[0], None if q_pre is None else q_pre[0], cache_k[0], cache_v[0], q_pos[0], kv_pos[0])[None]
+            return jax.lax.map(lambda a: one(*a), (q, q_pre, cache_k, cache_v, q_pos, kv_pos))
 
 
 @jax.jit
