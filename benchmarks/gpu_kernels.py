@@ -58,7 +58,7 @@ import numpy as np
 from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             centroid_lookup_prefill, centroid_lookup_reference,
                             clusters_to_indices, dense_attention_reference, dense_decode_attention,
-                            gather_then_dense_attention,
+                            dense_prefill_attention, gather_then_dense_attention,
                             hierarchical_lookup_decode, hierarchical_lookup_prefill,
                             hierarchical_lookup_reference, hierarchical_scores, quest_decode_attention,
                             quest_decode_attention_reference, quest_page_minmax,
@@ -343,16 +343,18 @@ def run_checks(plan: Plan, log) -> list[dict]:
     out = saap_attention(*args, **kw, backend=be)
     return rel_err(out, saap_attention_reference(*args, **kw)), {}
 
-  def dense_case(seq_len_):
+  def dense_case(seq_len_, fn=dense_decode_attention):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hkv, poison=False)
     args = (x["q"], x["k"], x["v"], x["kn"], x["vn"], x["qp"], x["kvp"])
-    out, lse = dense_decode_attention(*args, scale=scale, return_lse=True, backend=be)
+    out, lse = fn(*args, scale=scale, return_lse=True, backend=be)
     ref, rlse = dense_attention_reference(*args, scale=scale, return_lse=True)
     return rel_err(out, ref), {"lse_err": rel_err(lse, rlse)}
 
   tl, ta = 1e-2, 2e-2
   check("dense split-KV decode (Pallas dense baseline)", lambda: dense_case(1), ta)
   check("dense split-KV prefill block", lambda: dense_case(seq_len), ta)
+  check("dense flash prefill block (cuDNN over the fixed K/V in place)",
+        lambda: dense_case(seq_len, dense_prefill_attention), 3e-2)
   check("centroid_lookup_prefill vote=kv", lambda: lookup_case("kv", True), tl)
   check("centroid_lookup_decode vote=kv", lambda: lookup_case("kv", False), tl)
   check("sparse_attention decode Hs=Hkv poisoned", lambda: attn_case(1, hkv, True), ta)

@@ -25,9 +25,9 @@ from pallas_kernels import _attention_core as core
 from pallas_kernels import _common as cm
 from pallas_kernels._attention_core import AttentionConfig
 from pallas_kernels._dispatch import resolve_backend
-from pallas_kernels.sparse_attention import dense_reference
+from pallas_kernels.sparse_attention import dense_reference, fixed_plus_new
 
-__all__ = ["dense_decode_attention", "dense_attention_reference"]
+__all__ = ["dense_decode_attention", "dense_prefill_attention", "dense_attention_reference"]
 
 
 def _validate(q, k, v, k_new, v_new, q_pos, kv_pos_new):
@@ -99,3 +99,42 @@ def dense_decode_attention(
   if squeeze:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend"))
+def dense_prefill_attention(
+    q: jax.Array,            # [Hq, T, d] a block of query tokens
+    k: jax.Array,            # [Hkv, L, d] fixed context
+    v: jax.Array,            # [Hkv, L, d]
+    k_new: jax.Array,        # [Hkv, S, d] the user input's keys (S may be 0)
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [T] int32
+    kv_pos_new: jax.Array,   # [S] int32 (-1 = empty slot)
+    *,
+    scale: float,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+  """The same result as ``dense_decode_attention`` by flash attention, for blocks of many
+  tokens: the split-KV kernel reads the fixed K/V once per block of query rows, which for a
+  prefill block is many times; flash attention is compute-bound there.  The fixed part has no
+  mask, so the ``g`` query heads of a KV head are ``g T`` rows of one head over the fixed K/V
+  read in place (``[Hkv, L, 1, d]``: never gathered nor concatenated with the new keys); the
+  causal new part apart; log-sum-exp merge (``sparse_attention.fixed_plus_new``).
+
+  backend: "pallas" (and "auto" on GPU) = cuDNN (bf16/f16 only); "interpret" = the same
+  plumbing with XLA's attention; "reference" (and "auto" elsewhere) = ``dense_attention_reference``.
+  Returns o [Hq, T, d] in q's dtype (+ lse f32 [Hq, T] if ``return_lse``).
+  """
+  if q.ndim != 3:
+    raise ValueError(f"q must be [Hq, T, d]; got {cm.shape_str(q=q)}")
+  _validate(q, k, v, k_new, v_new, q_pos, kv_pos_new)
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return dense_attention_reference(q, k, v, k_new, v_new, q_pos, kv_pos_new, scale=scale, return_lse=return_lse)
+  if be == "pallas" and q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"dense_prefill_attention on GPU runs cuDNN, which takes bf16/fp16; got q {q.dtype} "
+                     "(use dense_decode_attention for f32)")
+  return fixed_plus_new(q, k[:, :, None], v[:, :, None], None, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                        implementation="cudnn" if be == "pallas" else "xla", return_lse=return_lse)

@@ -355,11 +355,8 @@ def gather_then_dense_attention(
     return sparse_attention_reference(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new,
                                       scale=scale, return_lse=return_lse)
   impl = "cudnn" if be == "pallas" else "xla"
-  hq, seq_len, d = q.shape
-  hkv, num_l, _ = k.shape
-  hs, cap = idx.shape
-  num_s = k_new.shape[1]
-  r = hq // hs
+  num_l = k.shape[1]
+  cap = idx.shape[1]
   if compact:
     comp, n = idx, jnp.clip(counts, 0, cap).astype(jnp.int32)
   else:
@@ -368,24 +365,36 @@ def gather_then_dense_attention(
   if impl == "xla":   # XLA's attention reads every row: zero what the kernel left unwritten
     live = (jnp.arange(ks.shape[1])[None, :] < n[:, None])[..., None]
     ks, vs = jnp.where(live, ks, 0), jnp.where(live, vs, 0)
-  ks, vs = ks[:, :, None], vs[:, :, None]                        # [Hs, cap_p, 1, d] (BTNH)
+  ks, vs = (ks[:, :, None], vs[:, :, None]) if cap else (ks[:, :0, None], vs[:, :0, None])
+  return fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=impl,
+                        return_lse=return_lse)
+
+
+def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, return_lse):
+  """Dense attention (cuDNN or XLA) of q [Hq, T, d] over a fixed part ks, vs [Hs, Lk, 1, d]
+  (BTNH; the first ``n[s]`` rows of selection head s, or all ``Lk`` if n is None) and over the
+  causal new part, merged by log-sum-exp -> o [Hq, T, d] in q's dtype (, lse [Hq, T] f32)."""
+  hq, seq_len, d = q.shape
+  hs = ks.shape[0]
+  num_s = k_new.shape[1]
+  r = hq // hs
   # No mask on the fixed part: every query row is independent, so the r query heads of a
   # selection head can be r * T rows of one head (q is [Hs, r, T, d] in memory already).
   qs = q.reshape(hs, r * seq_len, 1, d)                          # [Hs, r T, 1, d] (BTNH)
   parts = []
-  if cap:
+  if ks.shape[1]:
     o1, lse1 = _dense_attention(qs, ks, vs, mask=None, kv_len=n, scale=scale,
-                                implementation=impl)              # [Hs, r T, 1, d], [Hs, r T, 1]
+                                implementation=implementation)    # [Hs, r T, 1, d], [Hs, r T, 1]
     o1 = o1.reshape(hq, seq_len, d)
     lse1 = lse1.reshape(hq, seq_len)
-    has1 = jnp.repeat(n > 0, r)[:, None]
+    has1 = jnp.ones((hq, 1), bool) if n is None else jnp.repeat(n > 0, r)[:, None]
     parts.append((o1, lse1, jnp.broadcast_to(has1, (hq, seq_len))))
   if num_s:
     vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])   # [T, S]
     slot = (kv_pos_new >= 0)[None, :, None]                       # empty slots -> 0
     o2, lse2 = _dense_attention(
         q[None], jnp.where(slot, k_new, 0)[None], jnp.where(slot, v_new, 0)[None],
-        mask=vis[None, None], kv_len=None, scale=scale, implementation=impl,
+        mask=vis[None, None], kv_len=None, scale=scale, implementation=implementation,
         layout="BNTH")                                            # [1, Hq, T, d], [1, Hq, T]
     has2 = jnp.broadcast_to(jnp.any(vis, axis=1)[None, :], (hq, seq_len))
     parts.append((o2[0], lse2[0], has2))

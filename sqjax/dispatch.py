@@ -81,7 +81,8 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):
     """Exact attention over a selection of the fixed context + the causal user input.
 
-    Dense selections (mask None: full attention, dense layers) go to the split-KV dense kernel;
+    Dense selections (mask None: full attention, dense layers) go to the split-KV dense kernel
+    (decode) or flash attention (blocks of tokens, bf16/f16: cuDNN on GPU);
     compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel,
     QUEST's pages and SAAP's buckets (decode) to their kernels;
     masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
@@ -89,11 +90,9 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     b = resolved()
     ret = selection.retrieval
     if b != "reference" and ret is None and selection.mask is None:
-        # dense (full attention, a method's dense layers): split-KV Flash-Decoding over the
-        # contiguous fixed context, never concatenated with the new keys and never cast to f32
-        from pallas_kernels import dense_decode_attention
-
-        return dense_decode_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, backend=b)
+        # dense (full attention, a method's dense layers) over the contiguous fixed context, never
+        # concatenated with the new keys and never cast to f32
+        return _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b)
     if b == "reference" or ret is None:
         return fixed_context_attention(q, k_fixed, v_fixed, selection.mask, k_new, v_new, q_pos, kv_pos, scale)
     from pallas_kernels import gather_then_dense_attention, quest_decode_attention, saap_attention, sparse_attention
@@ -115,12 +114,23 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
                             scale=scale, backend=b)
 
 
+def _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, return_lse=False):
+    """Dense attention on a Pallas backend: split-KV Flash-Decoding for decode steps (a few rows per
+    KV head: the fixed context is read once), flash attention (cuDNN on GPU) for blocks of tokens
+    in bf16/f16 (the split-KV kernel would read the fixed context once per block of rows)."""
+    from pallas_kernels import dense_decode_attention, dense_prefill_attention
+
+    flash = q.shape[1] > 1 and q.dtype in (jnp.bfloat16, jnp.float16)
+    fn = dense_prefill_attention if flash else dense_decode_attention
+    return fn(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, return_lse=return_lse, backend=b)
+
+
 def dense_attention_batched(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale: float):
     """B rows (questions) over the WHOLE shared fixed context + each row's own causal keys (full
     attention, a method's dense layers), reading the fixed context once per call, not once per row:
     the rows' tokens are folded into one query block over the fixed keys (no mask there: every fixed
-    key is visible to every token), the split-KV dense kernel on a Pallas backend and
-    `attend_partial` on the reference one; each row's new keys are attended apart (causal by
+    key is visible to every token), the split-KV dense kernel (decode) or flash attention (prefill)
+    on a Pallas backend (`_dense`) and `attend_partial` on the reference one; each row's new keys are attended apart (causal by
     position; left-padding tokens see none) and the two parts merged by log-sum-exp.
 
     q [B, Hq, T, d] (T = 1: a decode step; T > 1: the questions' prefill); k_fixed, v_fixed
@@ -134,11 +144,9 @@ def dense_attention_batched(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, sc
     if b == "reference":
         fixed = attend_partial(rows, k_fixed, v_fixed, None, scale)
     else:
-        from pallas_kernels import dense_decode_attention
-
         none = jnp.zeros((k_fixed.shape[0], 0, k_fixed.shape[2]), k_fixed.dtype)
-        o, lse = dense_decode_attention(rows, k_fixed, v_fixed, none, none, jnp.zeros((n_rows * t,), jnp.int32),
-                                        jnp.zeros((0,), jnp.int32), scale=scale, return_lse=True, backend=b)
+        o, lse = _dense(rows, k_fixed, v_fixed, none, none, jnp.zeros((n_rows * t,), jnp.int32),
+                        jnp.zeros((0,), jnp.int32), scale, b, return_lse=True)
         fixed = Partial(o.astype(jnp.float32), lse)
     fixed = Partial(jnp.swapaxes(fixed.o.reshape(hq, n_rows, t, d), 0, 1),
                     jnp.swapaxes(fixed.lse.reshape(hq, n_rows, t), 0, 1))          # [B, Hq, T(, d)]

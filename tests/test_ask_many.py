@@ -166,7 +166,8 @@ def test_batched_gpu_decode_path_equals_reference(model, vote):
 
 @pytest.mark.parametrize("backend,dtype,num_s,t", [("reference", "float32", 9, 1), ("interpret", "float32", 9, 1),
                                                     ("interpret", "bfloat16", 9, 1), ("interpret", "float32", 0, 1),
-                                                    ("reference", "float32", 9, 5), ("interpret", "float32", 9, 5)])
+                                                    ("reference", "float32", 9, 5), ("interpret", "float32", 9, 5),
+                                                    ("interpret", "bfloat16", 9, 5)])   # bf16 blocks: flash route
 def test_dense_attention_batched_equals_rows(backend, dtype, num_s, t):
     """Full attention for B rows over one shared fixed context (the rows' tokens folded into one pass
     over it) equals each row's own exact attention: GQA 4:1, decode steps (T = 1) and left-padded
