@@ -115,3 +115,20 @@ def test_prefill_flash_route_matches_bruteforce(rng, dtype, hq, hkv, t, num_s, e
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=TOL[dtype], atol=TOL[dtype])
   with pytest.raises(ValueError, match=r"q must be \[Hq, T, d\]"):
     dense_prefill_attention(args[0][:, 0], *args[1:], scale=0.3, backend="interpret")
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_prefill_flash_route_with_kv_splits(rng, splits):
+  """The fixed context cut into contiguous chunks (flash attention on each, log-sum-exp merge):
+  the same result; a split that does not divide L is refused."""
+  from pallas_kernels.dense_attention import flash_kv_splits
+
+  args = make(rng, 8, 2, 3, 160, 11, 16, jnp.float32)
+  want = brute_dense(*(np.asarray(a) for a in args[:5]), np.asarray(args[5]), np.asarray(args[6]), 0.3)
+  got = dense_prefill_attention(*args, scale=0.3, backend="interpret", kv_splits=splits)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="divisor of L=160"):
+    dense_prefill_attention(*args, scale=0.3, backend="interpret", kv_splits=3)
+  # the automatic choice: 128 tokens x 4 heads over 128K keys and 8 KV heads -> 8 x 4 tiles -> 16 chunks
+  assert flash_kv_splits(8, 512, 131072) == 16 and flash_kv_splits(8, 16384, 524288) == 1
+  assert flash_kv_splits(8, 512, 3000) == 1      # chunks would be shorter than 2048 keys
