@@ -355,6 +355,30 @@ def run_checks(plan: Plan, log) -> list[dict]:
   check("dense split-KV prefill block", lambda: dense_case(seq_len), ta)
   check("dense flash prefill block (cuDNN over the fixed K/V in place)",
         lambda: dense_case(seq_len, dense_prefill_attention), 3e-2)
+
+  def flash_splits_case():
+    # the prefill fast paths' fixed part in key chunks with per-head key counts (one head with no
+    # key, one with all): 16 tokens x 4 query heads per KV head over 16K keys -> 8 chunks
+    from pallas_kernels.sparse_attention import dense_reference, fixed_plus_new
+    big = plan.check_scale == "gpu"
+    lk, t_ = (16384, 16) if big else (64, 3)
+    g_ = hq // hkv
+    qq = jnp.asarray(rng.normal(size=(hq, t_, d)), BF16)
+    kk, vv = (jnp.asarray(rng.normal(size=(hkv, lk, 1, d)), BF16) for _ in range(2))
+    n = jnp.asarray(rng.integers(1, lk, size=hkv), jnp.int32).at[0].set(0).at[1].set(lk)
+    none = jnp.zeros((hkv, 0, d), BF16)
+    splits = 8 if big else 4
+    o, lse = fixed_plus_new(qq, kk, vv, n, none, none, jnp.zeros((t_,), jnp.int32), jnp.zeros((0,), jnp.int32),
+                            scale=scale, implementation="cudnn" if be == "pallas" else "xla", return_lse=True,
+                            kv_splits=splits)
+    mask = jnp.broadcast_to((jnp.arange(lk)[None, :] < n[:, None])[:, None], (hkv, t_, lk))
+    ro, rl = dense_reference(qq.reshape(hkv, g_, t_, d), kk[:, :, 0], vv[:, :, 0], mask, scale=scale)
+    ro = ro.reshape(hq, t_, d)
+    live = np.repeat(np.asarray(n) > 0, g_)
+    assert np.all(np.isneginf(np.asarray(lse)[~live])), "a head with no key must have lse -inf"
+    return rel_err(o[live], ro[live]), {"lse_err": rel_err(lse[live], rl.reshape(hq, t_)[live]), "splits": splits}
+
+  check("flash fixed part in key splits, per-head key counts", flash_splits_case, 3e-2)
   check("centroid_lookup_prefill vote=kv", lambda: lookup_case("kv", True), tl)
   check("centroid_lookup_decode vote=kv", lambda: lookup_case("kv", False), tl)
   check("sparse_attention decode Hs=Hkv poisoned", lambda: attn_case(1, hkv, True), ta)

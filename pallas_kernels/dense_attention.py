@@ -25,7 +25,7 @@ from pallas_kernels import _attention_core as core
 from pallas_kernels import _common as cm
 from pallas_kernels._attention_core import AttentionConfig
 from pallas_kernels._dispatch import resolve_backend
-from pallas_kernels.sparse_attention import _dense_attention, dense_reference, fixed_plus_new, merge_lse
+from pallas_kernels.sparse_attention import dense_reference, fixed_plus_new
 
 __all__ = ["dense_decode_attention", "dense_prefill_attention", "dense_attention_reference"]
 
@@ -101,43 +101,6 @@ def dense_decode_attention(
   return (out, lse) if return_lse else out
 
 
-FLASH_ROWS = 128        # query rows per flash-attention program (cuDNN's tile on Hopper)
-FLASH_PROGRAMS = 264    # programs wanted: 2 per SM of an H100 / H200
-
-
-def flash_kv_splits(hkv: int, rows: int, num_l: int, min_chunk: int = 2048) -> int:
-  """Fixed-context splits for the flash route: flash attention runs one program per (KV head,
-  tile of ``FLASH_ROWS`` query rows), so a short block over a long context (128 tokens x 4 heads:
-  4 tiles per KV head) leaves most SMs idle.  The smallest power of two giving about
-  ``FLASH_PROGRAMS`` programs, dividing L, chunks of at least ``min_chunk`` keys."""
-  want = FLASH_PROGRAMS / max(1, hkv * cm.cdiv(rows, FLASH_ROWS))
-  s = 1
-  while s < want and num_l % (2 * s) == 0 and num_l // (2 * s) >= min_chunk:
-    s *= 2
-  return s
-
-
-def _flash_fixed(q, k, v, *, scale, splits, implementation):
-  """Flash attention of q [Hq, T, d] over ALL the fixed K/V [Hkv, L, d] (no mask), read in place:
-  the g query heads of a KV head are g T rows of one head; with ``splits`` > 1 the context is cut
-  into that many contiguous chunks (a free reshape: the chunks become batch entries, q is repeated
-  for each) and the chunks' partial results merged by log-sum-exp.  -> (o [Hq, T, d], lse [Hq, T] f32)."""
-  hq, seq_len, d = q.shape
-  hkv, num_l, _ = k.shape
-  rows = (hq // hkv) * seq_len
-  qs = q.reshape(hkv, 1, rows, 1, d)
-  qs = jnp.broadcast_to(qs, (hkv, splits, rows, 1, d)).reshape(hkv * splits, rows, 1, d)
-  ks = k.reshape(hkv * splits, num_l // splits, 1, d)
-  vs = v.reshape(hkv * splits, num_l // splits, 1, d)
-  o, lse = _dense_attention(qs, ks, vs, mask=None, kv_len=None, scale=scale, implementation=implementation)
-  o, lse = o.reshape(hkv, splits, rows, d), lse.reshape(hkv, splits, rows)
-  if splits > 1:
-    o, lse = merge_lse([(o[:, i], lse[:, i]) for i in range(splits)])
-  else:
-    o, lse = o[:, 0], lse[:, 0]
-  return o.reshape(hq, seq_len, d), lse.reshape(hq, seq_len)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "kv_splits"))
 def dense_prefill_attention(
     q: jax.Array,            # [Hq, T, d] a block of query tokens
@@ -155,10 +118,10 @@ def dense_prefill_attention(
 ):
   """The same result as ``dense_decode_attention`` by flash attention, for blocks of many
   tokens: the split-KV kernel reads the fixed K/V once per block of query rows, which for a
-  prefill block is many times; flash attention is compute-bound there.  The fixed part
-  (``_flash_fixed``: no mask, the fixed K/V read in place, never gathered nor concatenated with
-  the new keys; ``kv_splits`` contiguous chunks of it, None = ``flash_kv_splits``) and the
-  causal new part apart, merged by log-sum-exp (``sparse_attention.fixed_plus_new``, ``merge_lse``).
+  prefill block is many times; flash attention is compute-bound there.  The fixed part (no mask,
+  the fixed K/V read in place, never gathered nor concatenated with the new keys; in ``kv_splits``
+  contiguous chunks, None = ``sparse_attention.flash_kv_splits``) and the causal new part apart,
+  merged by log-sum-exp (``sparse_attention.fixed_plus_new``).
 
   backend: "pallas" (and "auto" on GPU) = cuDNN (bf16/f16 only); "interpret" = the same
   plumbing with XLA's attention; "reference" (and "auto" elsewhere) = ``dense_attention_reference``.
@@ -174,19 +137,9 @@ def dense_prefill_attention(
   if be == "pallas" and q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"dense_prefill_attention on GPU runs cuDNN, which takes bf16/fp16; got q {q.dtype} "
                      "(use dense_decode_attention for f32)")
-  hq, seq_len, _ = q.shape
-  hkv, num_l, _ = k.shape
-  splits = flash_kv_splits(hkv, (hq // hkv) * seq_len, num_l) if kv_splits is None else kv_splits
-  if splits < 1 or num_l % splits:
-    raise ValueError(f"kv_splits must be a positive divisor of L={num_l}; got {splits}")
-  impl = "cudnn" if be == "pallas" else "xla"
-  parts = [_flash_fixed(q, k, v, scale=scale, splits=splits, implementation=impl)] if num_l else []
-  if k_new.shape[1]:
-    parts.append(fixed_plus_new(q, k[:, :0, None], v[:, :0, None], None, k_new, v_new, q_pos, kv_pos_new,
-                                scale=scale, implementation=impl, return_lse=True))
-  if not parts:
-    out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full((hq, seq_len), -jnp.inf)
-  else:
-    out, lse = merge_lse(parts)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
+  num_l = k.shape[1]
+  if kv_splits is not None and (kv_splits < 1 or num_l % kv_splits):
+    raise ValueError(f"kv_splits must be a positive divisor of L={num_l}; got {kv_splits}")
+  return fixed_plus_new(q, k[:, :, None], v[:, :, None], None, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                        implementation="cudnn" if be == "pallas" else "xla", return_lse=return_lse,
+                        kv_splits=kv_splits)

@@ -121,7 +121,7 @@ def test_prefill_flash_route_matches_bruteforce(rng, dtype, hq, hkv, t, num_s, e
 def test_prefill_flash_route_with_kv_splits(rng, splits):
   """The fixed context cut into contiguous chunks (flash attention on each, log-sum-exp merge):
   the same result; a split that does not divide L is refused."""
-  from pallas_kernels.dense_attention import flash_kv_splits
+  from pallas_kernels.sparse_attention import flash_kv_splits
 
   args = make(rng, 8, 2, 3, 160, 11, 16, jnp.float32)
   want = brute_dense(*(np.asarray(a) for a in args[:5]), np.asarray(args[5]), np.asarray(args[6]), 0.3)

@@ -307,3 +307,32 @@ def test_validation_errors(rng):
     AttentionConfig(block_k=32, chunk_k=48)
   with pytest.raises(ValueError, match="block_rows"):
     AttentionConfig(block_rows=8)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+def test_flash_fixed_part_in_key_splits(rng, splits):
+  """`fixed_plus_new`'s fixed part cut into contiguous key chunks (what the prefill fast paths use
+  to fill the GPU): per-head key counts that end inside a chunk, on a chunk boundary, at 0 (a head
+  that only sees its new keys) and at the full length; XLA's attention as the flash route."""
+  from pallas_kernels.sparse_attention import fixed_plus_new
+
+  hq, hs, lk, t, s_new, d = 8, 4, 64, 3, 5, 16
+  q = rng.normal(size=(hq, t, d)).astype(np.float32)
+  ks, vs = rng.normal(size=(2, hs, lk, 1, d)).astype(np.float32)
+  kn, vn = rng.normal(size=(2, hs, s_new, d)).astype(np.float32)
+  n = np.asarray([37, 0, 32, 64], np.int32)
+  q_pos = np.asarray([10, 11, 12], np.int32)
+  kv_pos = np.asarray([8, 9, 10, 11, 12], np.int32)
+  out, lse = fixed_plus_new(jnp.asarray(q), jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(n), jnp.asarray(kn),
+                            jnp.asarray(vn), jnp.asarray(q_pos), jnp.asarray(kv_pos), scale=0.25,
+                            implementation="xla", return_lse=True, kv_splits=splits)
+  g = hq // hs
+  for h in range(hq):
+    for i in range(t):
+      vis = kv_pos <= q_pos[i]
+      keys = np.concatenate([ks[h // g, :n[h // g], 0], kn[h // g, vis]]).astype(np.float64)
+      vals = np.concatenate([vs[h // g, :n[h // g], 0], vn[h // g, vis]]).astype(np.float64)
+      lg = 0.25 * keys @ q[h, i]
+      w = np.exp(lg - lg.max())
+      np.testing.assert_allclose(np.asarray(out[h, i]), w @ vals / w.sum(), rtol=2e-5, atol=2e-5)
+      np.testing.assert_allclose(float(lse[h, i]), lg.max() + np.log(w.sum()), rtol=2e-5, atol=2e-5)

@@ -13,7 +13,7 @@ import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, ".")
 from benchmarks._meta import metadata
 from pallas_kernels import dense_attention_reference, dense_decode_attention, dense_prefill_attention
-from pallas_kernels.dense_attention import flash_kv_splits
+from pallas_kernels.sparse_attention import flash_kv_splits
 
 OUT = os.environ.get("OUT", "/tmp")
 BF = jnp.bfloat16
