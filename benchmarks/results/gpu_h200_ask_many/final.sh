@@ -1,6 +1,6 @@
 #!/bin/bash
 # Compiled checks of the code as it stands, then the end-to-end ask / ask_many rows (4 and 8 questions).
-mkdir -p $OUT/res
+mkdir -p $OUT/res/e2e
 export SQJAX_GIT_COMMIT=$(cat .scratch/commit 2>/dev/null)
 timeout 170 python -m benchmarks.gpu_kernels --checks-only --out $OUT/res/checks > $OUT/res/checks_log.txt 2>&1; echo "checks rc $?"
 grep -E "PASS|FAIL|ERROR" $OUT/res/checks/gpu_kernels.md | awk -F'|' '{print $3}' | sort | uniq -c
