@@ -81,8 +81,9 @@ class SparseAttentionHook:
             return jnp.swapaxes(o, 0, 1)
 
         with dispatch.using(self.backend):
-            if q.shape[0] > 1 and self.method.dense_at(layer):
+            if q.shape[0] > 1 and self.method.dense_at(layer) and (q.shape[1] == 1 or dispatch.resolved() != "reference"):
                 # several rows (questions, decode steps) over the whole fixed context: read it once, not per row
+                # (the reference's prefill stays per row: it holds a [Hq, T, L] score array per row)
                 return jnp.swapaxes(dispatch.dense_attention_batched(jnp.swapaxes(q, 1, 2), k_fix, v_fix, cache_k,
                                                                      cache_v, q_pos, kv_pos, scale), 1, 2)
             if ("clustered" in state and "level1" not in state and q.shape[0] > 1 and q.shape[1] == 1

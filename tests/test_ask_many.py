@@ -200,9 +200,10 @@ def test_dense_attention_batched_equals_rows(backend, dtype, num_s, t):
 
 
 def test_full_attention_batch_reads_the_context_once(model, monkeypatch):
-    """A batch's question prefill and decode step with full attention go through
-    `dense_attention_batched` on every backend (the rows folded into one pass over the fixed
-    context); interpreted on the Pallas dense kernel the step gives the reference's logits."""
+    """A batch's decode step with full attention goes through `dense_attention_batched` on every
+    backend (the rows folded into one pass over the fixed context; on a Pallas backend the
+    questions' prefill too); interpreted on the Pallas dense kernel the step gives the
+    reference's logits."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -224,7 +225,38 @@ def test_full_attention_batch_reads_the_context_once(model, monkeypatch):
         lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
                                attn_fn=hook, attn_state=c._state, logits="last")
         logits[backend] = np.asarray(lg)
-    # every layer of the questions' prefill (the context's own hook) and of the step on each backend
+    # every layer of the step on each backend (the reference prefill stays per row: memory)
     n = model.config.num_layers
-    assert calls == ["reference"] * (2 * n) + ["interpret"] * n
+    assert calls == ["reference"] * n + ["interpret"] * n
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+def test_hierarchical_batch_rows_through_lax_map(model, monkeypatch):
+    """A hierarchical index has no batched kernel: a batch's decode step runs each row's fused
+    hierarchical decode (here interpreted) through `lax.map`, and gives the reference's logits."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from models.forward import forward_jit
+    from sqjax import dispatch
+    from sqjax.fixed_context import attention_state
+
+    c = FixedContext.build(model, DOC, HierarchicalSqueezed(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
+    calls = []
+    real = dispatch.clustered_decode
+    monkeypatch.setattr(dispatch, "clustered_decode", lambda *a, **k: calls.append(dispatch.resolved()) or real(*a, **k))
+    states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
+    padded = fc._left_pad([c._question_ids(q) for q in QUESTIONS[:2]])
+    logits = {}
+    for backend, state in states.items():
+        hook = dataclasses.replace(c._hook, backend=backend)
+        cache = c._new_cache(padded.shape[1] + 4, 2)
+        _, cache, _ = c._forward(*fc._tokens_positions(padded, c.n_tokens), cache, False)
+        pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
+        lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
+                               attn_fn=hook, attn_state=state, logits="last")
+        logits[backend] = np.asarray(lg)
+    assert "interpret" in calls      # traced once per layer inside lax.map, not once per row
+    assert calls.count("interpret") == model.config.num_layers - HierarchicalSqueezed().dense_layers
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
