@@ -129,37 +129,46 @@ def test_batch_decode_benchmark_plumbing(tmp_path):
     assert "| 1024 | 2 |" in (tmp_path / "batch_decode.md").read_text()
 
 
-@pytest.mark.parametrize("vote", ["kv", "q"])
-def test_batched_gpu_decode_path_equals_reference(model, vote):
-    """On GPU a batch's decode step goes through `clustered_decode_batched` (one set of launches
-    for every row; here interpreted): the same logits as the reference path row by row, each row
-    with its own question tokens in the cache."""
+def _two_row_step_logits(model, c, states, patch=None):
+    """Each backend's logits for one decode step of two rows (the first two questions, prefilled
+    through the context's own hook) through `c`'s hook on that backend and attention state.
+    patch = (monkeypatch, name): record `dispatch.resolved()` whenever `sqjax.dispatch.<name>` is
+    traced; -> (logits by backend, the records)."""
     import dataclasses
 
     import jax.numpy as jnp
 
     from models.forward import forward_jit
     from sqjax import dispatch
-    from sqjax.fixed_context import attention_state
 
-    c = FixedContext.build(model, DOC, Squeezed(sparsity=0.8, n_sink=1, vote=vote, capacity_fraction=1.0), chat=False)
     calls = []
-    real = dispatch.clustered_decode_batched
-    states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
+    if patch is not None:
+        monkeypatch, name = patch
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, **k: calls.append(dispatch.resolved()) or real(*a, **k))
     padded = fc._left_pad([c._question_ids(q) for q in QUESTIONS[:2]])
+    pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
     logits = {}
     for backend, state in states.items():
         hook = dataclasses.replace(c._hook, backend=backend)
         cache = c._new_cache(padded.shape[1] + 4, 2)
         _, cache, _ = c._forward(*fc._tokens_positions(padded, c.n_tokens), cache, False)   # the questions (prefill)
-        pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
-        dispatch.clustered_decode_batched = lambda *a, **k: calls.append(backend) or real(*a, **k)
-        try:
-            lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
-                                   attn_fn=hook, attn_state=state, logits="last")
-        finally:
-            dispatch.clustered_decode_batched = real
+        lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
+                               attn_fn=hook, attn_state=state, logits="last")
         logits[backend] = np.asarray(lg)
+    return logits, calls
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_batched_gpu_decode_path_equals_reference(model, vote, monkeypatch):
+    """On GPU a batch's decode step goes through `clustered_decode_batched` (one set of launches
+    for every row; here interpreted): the same logits as the reference path row by row, each row
+    with its own question tokens in the cache."""
+    from sqjax.fixed_context import attention_state
+
+    c = FixedContext.build(model, DOC, Squeezed(sparsity=0.8, n_sink=1, vote=vote, capacity_fraction=1.0), chat=False)
+    states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
+    logits, calls = _two_row_step_logits(model, c, states, (monkeypatch, "clustered_decode_batched"))
     assert "interpret" in calls
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
 
@@ -204,27 +213,9 @@ def test_full_attention_batch_reads_the_context_once(model, monkeypatch):
     backend (the rows folded into one pass over the fixed context; on a Pallas backend the
     questions' prefill too); interpreted on the Pallas dense kernel the step gives the
     reference's logits."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from models.forward import forward_jit
-    from sqjax import dispatch
-
     c = FixedContext.build(model, DOC, Full(), chat=False)
-    calls = []
-    real = dispatch.dense_attention_batched
-    monkeypatch.setattr(dispatch, "dense_attention_batched", lambda *a, **k: calls.append(dispatch.resolved()) or real(*a, **k))
-    padded = fc._left_pad([c._question_ids(q) for q in QUESTIONS[:2]])
-    logits = {}
-    for backend in ("reference", "interpret"):
-        hook = dataclasses.replace(c._hook, backend=backend)
-        cache = c._new_cache(padded.shape[1] + 4, 2)
-        _, cache, _ = c._forward(*fc._tokens_positions(padded, c.n_tokens), cache, False)
-        pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
-        lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
-                               attn_fn=hook, attn_state=c._state, logits="last")
-        logits[backend] = np.asarray(lg)
+    logits, calls = _two_row_step_logits(model, c, {"reference": c._state, "interpret": c._state},
+                                         (monkeypatch, "dense_attention_batched"))
     # every layer of the step on each backend (the reference prefill stays per row: memory)
     n = model.config.num_layers
     assert calls == ["reference"] * n + ["interpret"] * n
@@ -234,29 +225,11 @@ def test_full_attention_batch_reads_the_context_once(model, monkeypatch):
 def test_hierarchical_batch_rows_through_lax_map(model, monkeypatch):
     """A hierarchical index has no batched kernel: a batch's decode step runs each row's fused
     hierarchical decode (here interpreted) through `lax.map`, and gives the reference's logits."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from models.forward import forward_jit
-    from sqjax import dispatch
     from sqjax.fixed_context import attention_state
 
     c = FixedContext.build(model, DOC, HierarchicalSqueezed(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
-    calls = []
-    real = dispatch.clustered_decode
-    monkeypatch.setattr(dispatch, "clustered_decode", lambda *a, **k: calls.append(dispatch.resolved()) or real(*a, **k))
     states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
-    padded = fc._left_pad([c._question_ids(q) for q in QUESTIONS[:2]])
-    logits = {}
-    for backend, state in states.items():
-        hook = dataclasses.replace(c._hook, backend=backend)
-        cache = c._new_cache(padded.shape[1] + 4, 2)
-        _, cache, _ = c._forward(*fc._tokens_positions(padded, c.n_tokens), cache, False)
-        pos = jnp.asarray([[c.n_tokens + len(c._question_ids(q))] for q in QUESTIONS[:2]], jnp.int32)
-        lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321], [77]]), pos, cache,
-                               attn_fn=hook, attn_state=state, logits="last")
-        logits[backend] = np.asarray(lg)
-    assert "interpret" in calls      # traced once per layer inside lax.map, not once per row
-    assert calls.count("interpret") == model.config.num_layers - HierarchicalSqueezed().dense_layers
+    logits, calls = _two_row_step_logits(model, c, states, (monkeypatch, "clustered_decode"))
+    # traced once per layer inside lax.map, not once per row (the reference state has no layout)
+    assert calls == ["interpret"] * (model.config.num_layers - HierarchicalSqueezed().dense_layers)
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
