@@ -96,12 +96,12 @@ def diagnose(model, doc, settings: Q.Settings, level: float, store: Q.Store | No
         ret0, rec, rest = [], [], []
         for layer in range(n_layers):
             if layer < method.dense_layers:
-                hs = method.selection_heads(q.shape[1], full.data.k.shape[1])
+                hs = method.selection_heads(q.shape[1], full.kv.k[0].shape[0])
                 ret0.append(np.ones(hs))
                 rec.append(np.ones(hs))
                 rest.append(np.ones(hs))
                 continue
-            a, b, c = _layer(sparse, layer_index(ctx.index, layer), q[layer], q_pre[layer], full.data.k[layer])
+            a, b, c = _layer(sparse, layer_index(ctx.index, layer), q[layer], q_pre[layer], full.kv.k[layer])
             ret0.append(np.asarray(a))
             rec.append(np.asarray(b))
             rest.append(np.asarray(c))
@@ -113,7 +113,7 @@ def diagnose(model, doc, settings: Q.Settings, level: float, store: Q.Store | No
             for layer in range(n_layers):
                 li = idx.layer(layer)
                 label0 = li.labels[:, 0]
-                m0, s0, r0 = _squeezed_sink(q[layer], full.data.k[layer], li.centroids, li.counts, label0, idx.threshold)
+                m0, s0, r0 = _squeezed_sink(q[layer], full.kv.k[layer], li.centroids, li.counts, label0, idx.threshold)
                 size0 = jnp.take_along_axis(li.counts, label0[:, None], axis=-1)[:, 0]
                 rows.append({"mass0": np.asarray(m0).tolist(), "S0": np.asarray(s0).tolist(),
                              "retrieved0": np.asarray(r0).tolist(), "cluster0_size": np.asarray(size0).tolist()})

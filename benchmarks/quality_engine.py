@@ -227,7 +227,7 @@ def run_lookups(ctx, q, q_pre, *, per_token: bool, keys: InputKeys | None = None
     length = ctx.n_tokens
     sparse = _sparse(canonical(method))
     hq = q.shape[1]
-    hs = method.selection_heads(hq, ctx.data.k.shape[1])
+    hs = method.selection_heads(hq, ctx.kv.k[0].shape[0])
     sels, recall, err = [], [], []
     zero = jnp.zeros((1, 1, 1))
     for layer in range(n_layers):
@@ -238,7 +238,7 @@ def run_lookups(ctx, q, q_pre, *, per_token: bool, keys: InputKeys | None = None
                 sels.append(_Sel(np.full((hs, t), length, np.float32), np.zeros((hs, t), np.float32)))
                 continue
             out = _layer_lookup(sparse, layer_index(ctx.index, layer), q[layer],
-                                None if q_pre is None else q_pre[layer], ctx.data.k[layer], zero, zero, zero,
+                                None if q_pre is None else q_pre[layer], ctx.kv.k[layer], zero, zero, zero,
                                 jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), per_token=per_token,
                                 metrics=False)
             sels.append(_Sel(np.asarray(out["rows"]), np.asarray(out["meta"])))
@@ -248,14 +248,14 @@ def run_lookups(ctx, q, q_pre, *, per_token: bool, keys: InputKeys | None = None
             err.append(np.zeros(hq))
             continue
         out = _layer_lookup(sparse, layer_index(ctx.index, layer), q[layer], None if q_pre is None else q_pre[layer],
-                            ctx.data.k[layer], ctx.data.v[layer], keys.k[layer], keys.v[layer], keys.q_pos,
+                            ctx.kv.k[layer], ctx.kv.v[layer], keys.k[layer], keys.v[layer], keys.q_pos,
                             keys.kv_pos, per_token=per_token, metrics=True, stride=stride)
         recall.append(np.asarray(out["recall"], np.float64))
         err.append(np.asarray(out["err"], np.float64))
     if keys is not None:
         return None, attention_summary(np.stack(recall), np.stack(err))
     cfg = ctx.model.config
-    rep = account(sels, length, cfg.head_dim, cfg.num_kv_heads, jnp.dtype(ctx.data.k.dtype).itemsize)
+    rep = account(sels, length, cfg.head_dim, cfg.num_kv_heads, jnp.dtype(ctx.kv.dtype).itemsize)
     return rep, None
 
 

@@ -715,7 +715,7 @@ def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
             "ms_per_step_calls": [1e3 * x for x in step]}
 
 
-def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log, batches=()) -> dict:
+def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: int, log, batches=()) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
     carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
     context, for each (name, method, index): time to first token, time per output token (each
@@ -729,7 +729,9 @@ def _ask_rows(model, methods, data, length: int, n_prompt: int, n_new: int, log,
     question = ("Which of the measurements in the document above was taken on the largest input, and by how "
                 "much did it beat the baseline?")[: max(1, n_prompt - 2)]
     rows = {}
+    ctx = None
     for name, method, idx in methods:
+        ctx = None  # the previous method's context (its clustered copy of the K/V) goes first
         try:
             ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None, chat=False,
                                suffix_template="\n\n{question}", doc_sha256="random")
@@ -840,7 +842,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     from models.forward import forward_jit
     from models.llama import Llama
     from models.rope import config_frequencies
-    from sqjax.fixed_context import SparseAttentionHook, attention_state
+    from sqjax.fixed_context import LayerKV, SparseAttentionHook, attention_state
     from sqjax.methods import ContextData, Full, Squeezed
 
     cfg = LlamaConfig(vocab_size=plan.e2e_vocab, hidden_size=plan.e2e_hidden, intermediate_size=plan.e2e_inter,
@@ -855,8 +857,11 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     length = plan.e2e_length
     inv = tuple(float(x) for x in config_frequencies(cfg))
     full_hook = SparseAttentionHook(Full(), inv, backend=plan.backend)
+    # per-layer K/V (ks, vs) are what the hooks and FixedContext keep; the stacked copy (k_fix, v_fix)
+    # exists for the index build (an 80 GB H100 ran out of memory holding a third copy)
     if offline and offline.get("data") is not None and offline["data"].k.shape[2] == length:
         k_fix, v_fix = offline["data"].k, offline["data"].v
+        ks, vs = (tuple(x[i] for i in range(x.shape[0])) for x in (k_fix, v_fix))
     else:
         ks, vs = zip(*[src.kv(length, seed=layer) for layer in range(plan.e2e_layers)])
         k_fix, v_fix = jnp.stack(ks), jnp.stack(vs)
@@ -875,7 +880,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     # SmolLM2 ones) put its score distribution elsewhere and the in-situ selection kept ~all rows
     n_obs = 100 if not plan.cpu else 8
     obs_tokens = jax.random.randint(jax.random.key(7), (1, n_obs), 0, cfg.vocab_size)
-    full_state = attention_state(k_fix, v_fix, None)
+    full_state = attention_state(ks, vs, None)
     q_obs = model_queries(full_hook, full_state, obs_tokens, length - n_obs)
     data = ContextData(k_fix, v_fix, q_obs.astype(BF16), scale=1.0 / math.sqrt(plan.d))
     from sqjax import dispatch
@@ -894,8 +899,9 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
 
     if plan.e2e_ask_only:
-        del full_state
-        return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, data, length, n_prompt, n_steps, log)
+        kv = LayerKV(tuple(ks), tuple(vs), data.q_obs, data.scale)
+        del full_state, data, k_fix, v_fix
+        return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, kv, length, n_prompt, n_steps, log)
     # the model's decode queries (one token after the question, full attention upstream)
     q_dec = model_queries(full_hook, full_state, tokens[:, :1], length + n_prompt)
     del full_state
@@ -1061,19 +1067,22 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     if all("attention_busy_ms_per_token" in out.get(n, {}) for n in ("squeezed", "full")):
         out["attention_busy_speedup"] = (out["full"]["attention_busy_ms_per_token"]
                                          / out["squeezed"]["attention_busy_ms_per_token"])
-    return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, data, length, n_prompt, n_steps, log)
+    kv = LayerKV(tuple(ks), tuple(vs), data.q_obs, data.scale)
+    return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, kv, length, n_prompt, n_steps, log)
 
 
-def _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, data, length, n_prompt, n_steps, log) -> dict:
-    """The end-to-end section's `ask` / `ask_many` rows and the byte bound."""
+def _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, fixed, length, n_prompt, n_steps,
+                     log) -> dict:
+    """The end-to-end section's `ask` / `ask_many` rows and the byte bound.  fixed: the context's
+    per-layer K/V (`LayerKV`), shared by both contexts."""
     from models.registry import LoadedModel
     from sqjax.methods import Full
 
     model = LoadedModel(graphdef, state, cfg, _ByteTokenizer(cfg.vocab_size), source="random", dtype=BF16)
-    out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), Full().build(data)[0])), data,
+    out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), None)), fixed,
                            length, n_prompt, n_steps, log, batches=plan.e2e_batches)
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    kv = data.k.size * data.k.dtype.itemsize * 2
+    kv = sum(x.size * x.dtype.itemsize for x in fixed.k + fixed.v)
     out["bytes_weights"] = float(weights)
     out["bytes_fixed_kv"] = float(kv)
     out["decode_speedup_bound_bytes"] = (weights + kv) / (weights + 0.1 * kv + 0.025 * kv)

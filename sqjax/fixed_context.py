@@ -5,7 +5,8 @@
     answer.stats                          # KV budget, bytes moved, time to first token, time/token
     ctx.save("doc.sqx"); ctx = FixedContext.load("doc.sqx", model)
 
-The document's KV cache lives in the index state; every question runs `models.forward` with
+The document's KV cache lives in the hook's state, once, one array per layer (`LayerKV`; with
+Squeezed on a GPU also a cluster-sorted copy); every question runs `models.forward` with
 `SparseAttentionHook` as the attention of each layer: the method selects fixed-context keys
 from the roped queries, attention is exact over those keys (exact tail included) plus the
 question's own causal keys, merged by log-sum-exp (`attention.py`).
@@ -110,8 +111,48 @@ def _log_softmax_rows(logits, targets):
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
-def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """A prefilled fixed context held as one K and one V array per layer: the only copy of the
+    document's K/V a `FixedContext` keeps (the stacked [layers, ...] arrays of `ContextData`, which
+    index builds read, exist only while an index is built or saved).
+
+    k, v: per layer [Hkv, L, d]; q_obs [layers, Hq, n, d]; scale: the softmax scale.
+    """
+
+    k: tuple
+    v: tuple
+    q_obs: jax.Array
+    scale: float
+
+    @classmethod
+    def of(cls, data: ContextData) -> "LayerKV":
+        """Each layer copied out of `data`'s stacked arrays (drop `data` afterwards to free them)."""
+        return cls(_split_layers(data.k), _split_layers(data.v), data.q_obs, data.scale)
+
+    def stacked(self, k_pre: jax.Array | None = None) -> ContextData:
+        """A stacked copy [layers, Hkv, L, d] (for index builds and saving); freed when dropped."""
+        return ContextData(_stack_layers(self.k), _stack_layers(self.v), self.q_obs, k_pre=k_pre, scale=self.scale)
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
+
+
+def _split_layers(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else tuple(x[i] for i in range(x.shape[0]))
+
+
+@jax.jit
+def _stack_layers(layers):
+    return jnp.stack(layers)
+
+
+def attention_state(k, v, index, *, clustered_layout: bool = False) -> dict:
     """The hook's attn_state: per-layer fixed K/V [Hkv, L, d] tuples and the method index.
+
+    k, v: stacked [layers, Hkv, L, d] arrays (each layer is copied out) or per-layer sequences
+    (used as they are, no copy).
 
     clustered_layout (Squeezed, 1- or 2-level, GPU decode): also the cluster-contiguous copy of
     each layer's K/V, its offsets and its centroids, read by the fused clustered decode kernel
@@ -119,19 +160,20 @@ def attention_state(k: jax.Array, v: jax.Array, index, *, clustered_layout: bool
     and the level-2 clusters' parents, read by the hierarchical lookup kernels (level-2 counts come
     from the offsets).
     """
-    state = {"k": tuple(k[i] for i in range(k.shape[0])), "v": tuple(v[i] for i in range(v.shape[0])), "index": index}
+    k, v = _split_layers(k), _split_layers(v)
+    state = {"k": k, "v": v, "index": index}
     if clustered_layout:
         from pallas_kernels import cluster_sort_layout
 
         sorted_kv = [cluster_sort_layout(k[i], v[i], index.layers.labels[i], index.n_sink, index.n_tail,
-                                         num_clusters=index.layers.counts.shape[-1]) for i in range(k.shape[0])]
+                                         num_clusters=index.layers.counts.shape[-1]) for i in range(len(k))]
         # per-layer centroids in the K/V dtype: slicing the stacked index inside the step copied
         # each layer's centroids (13 MB at 128K) on every token (seen in an H200 profile)
         state["clustered"] = tuple((ks, vs, off, index.layer(i).centroids.astype(ks.dtype))
                                    for i, (ks, vs, off, _) in enumerate(sorted_kv))
         if index.layers.centroids1.shape[-2]:  # hierarchical
-            state["level1"] = tuple((li.centroids1.astype(k.dtype), li.counts1, li.parent)
-                                    for li in (index.layer(i) for i in range(k.shape[0])))
+            state["level1"] = tuple((li.centroids1.astype(k[0].dtype), li.counts1, li.parent)
+                                    for li in (index.layer(i) for i in range(len(k))))
     return state
 
 
@@ -181,13 +223,15 @@ def _method_params(method: Method) -> dict:
 class FixedContext:
     """A document prefilled once, indexed for one method, ready for many questions."""
 
-    def __init__(self, model, method: Method, doc_ids: np.ndarray, data: ContextData, index, info: dict,
+    def __init__(self, model, method: Method, doc_ids: np.ndarray, data: ContextData | LayerKV, index, info: dict,
                  *, last_logits: jax.Array, chat: bool, suffix_template: str, doc_sha256: str):
+        """data: the prefilled document, stacked (`ContextData`: each layer is copied out, so drop
+        it afterwards) or already per layer (`LayerKV`: kept as it is, shared with its other holders)."""
         self.model = model
         self.last_logits = last_logits  # [vocab] prediction after the document's last token
         self.method = method
         self.doc_ids = np.asarray(doc_ids, np.int32)
-        self.data = data
+        self.kv = data if isinstance(data, LayerKV) else LayerKV.of(data)
         self.index = index
         self.info = info
         self.chat = chat
@@ -200,7 +244,13 @@ class FixedContext:
         )
         # on GPU, Squeezed (1- or 2-level) decodes through the fused kernel over a cluster-contiguous copy
         fused = isinstance(method, Squeezed) and jax.default_backend() == "gpu"
-        self._state = attention_state(data.k, data.v, index, clustered_layout=fused)
+        self._state = attention_state(self.kv.k, self.kv.v, index, clustered_layout=fused)
+
+    @property
+    def data(self) -> ContextData:
+        """The prefilled document as stacked `ContextData` -- a copy of `kv`, made on each access
+        (index builds and saving use it; `kv` holds the per-layer arrays without copying)."""
+        return self.kv.stacked()
 
     # ----------------------------------------------------------------------------- building
     @classmethod
@@ -238,7 +288,9 @@ class FixedContext:
         info = _jsonable(info)
         info["index_seconds"] = time.perf_counter() - t0
         sha = hashlib.sha256(document.encode()).hexdigest()
-        return cls(model, method, ids, data, index, info, last_logits=last_logits, chat=chat,
+        kv = LayerKV.of(data)
+        del data  # the stacked K/V (and SAAP's de-roped keys) go before the clustered copy is made
+        return cls(model, method, ids, kv, index, info, last_logits=last_logits, chat=chat,
                    suffix_template=suffix_template, doc_sha256=sha)
 
     @staticmethod
@@ -254,11 +306,12 @@ class FixedContext:
 
     def with_method(self, method: Method) -> "FixedContext":
         """The same prefilled document indexed for another method (no new prefill)."""
-        data = self.data
-        if isinstance(method, Saap) and data.k_pre is None:
+        data = self.data  # a stacked copy while the index is built
+        if isinstance(method, Saap):
             data = dataclasses.replace(data, k_pre=_derope_keys(self.model, data.k))
         index, info = method.build(data)
-        ctx = FixedContext(self.model, method, self.doc_ids, data, index, _jsonable(info),
+        del data
+        ctx = FixedContext(self.model, method, self.doc_ids, self.kv, index, _jsonable(info),
                            last_logits=self.last_logits, chat=self.chat,
                            suffix_template=self.suffix_template, doc_sha256=self.doc_sha256)
         ctx.n_prefills = 0
@@ -424,7 +477,7 @@ class FixedContext:
 
     def _stats(self, prefill_sel, step_sel, n_prompt, n_new, ttft, step_times) -> AnswerStats:
         cfg = self.model.config
-        bpe = jnp.dtype(self.data.k.dtype).itemsize
+        bpe = jnp.dtype(self.kv.dtype).itemsize
         acc = lambda sels: account(sels, self.n_tokens, cfg.head_dim, cfg.num_kv_heads, bpe)  # noqa: E731
         pre = acc(prefill_sel)
         dec = acc(step_sel) if step_sel else pre  # decode: mean over the generated tokens' lookups
@@ -479,7 +532,7 @@ class FixedContext:
     # ----------------------------------------------------------------------------- persistence
     def save(self, path) -> None:
         """Write the index atomically to `path` (`.sqx`, see `index_io`)."""
-        tree = {"data": dataclasses.replace(self.data, k_pre=None), "index": self.index,
+        tree = {"data": self.data, "index": self.index,
                 "doc_ids": self.doc_ids, "last_logits": self.last_logits}
         header = {
             "model_fingerprint": self.model.fingerprint,
@@ -510,10 +563,8 @@ class FixedContext:
         m = header["method"]
         method = method_from_name(m["name"], **m["params"])
         doc = header["document"]
-        data = tree["data"]
-        if isinstance(method, Saap):
-            data = dataclasses.replace(data, k_pre=_derope_keys(model, data.k))
-        ctx = cls(model, method, np.asarray(tree["doc_ids"]), data, tree["index"], header.get("info", {}),
+        kv = LayerKV.of(tree.pop("data"))  # the stacked copy read from the file goes with `tree`
+        ctx = cls(model, method, np.asarray(tree["doc_ids"]), kv, tree["index"], header.get("info", {}),
                   last_logits=tree["last_logits"], chat=doc["chat"], suffix_template=doc["suffix_template"],
                   doc_sha256=doc["sha256"])
         ctx.n_prefills = 0
@@ -566,10 +617,18 @@ def _prefill_document(model, ids: np.ndarray, method: Method, *, chunk: int, pro
                                           capture_last=n_obs if last else False, logits="last")
         if last:
             q_obs = jnp.stack([jnp.swapaxes(c["q"][0], 0, 1) for c in caps])  # [layers, Hq, n_obs, d]
-    k, v = (x[:, 0] for x in cache.stacked())
+    k, v = _stack_row0(cache.k), _stack_row0(cache.v)  # [layers, Hkv, n, d]
+    del cache
     scale = 1.0 / math.sqrt(model.config.head_dim)
     k_pre = _derope_keys(model, k) if isinstance(method, Saap) else None
     return ContextData(k, v, q_obs, k_pre=k_pre, scale=scale), logits[0, -1]
+
+
+@jax.jit
+def _stack_row0(layers):
+    """Per-layer cache arrays [1, Hkv, S, d] -> [layers, Hkv, S, d] in one program (eagerly, stacking
+    [layers, 1, ...] and then slicing row 0 held three copies of the document's K/V at once)."""
+    return jnp.stack([x[0] for x in layers])
 
 
 @functools.partial(jax.jit, static_argnames=("method",))

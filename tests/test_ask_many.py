@@ -167,7 +167,7 @@ def test_batched_gpu_decode_path_equals_reference(model, vote, monkeypatch):
     from sqjax.fixed_context import attention_state
 
     c = FixedContext.build(model, DOC, Squeezed(sparsity=0.8, n_sink=1, vote=vote, capacity_fraction=1.0), chat=False)
-    states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
+    states = {"reference": c._state, "interpret": attention_state(c.kv.k, c.kv.v, c.index, clustered_layout=True)}
     logits, calls = _two_row_step_logits(model, c, states, (monkeypatch, "clustered_decode_batched"))
     assert "interpret" in calls
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
@@ -228,7 +228,7 @@ def test_hierarchical_batch_rows_through_lax_map(model, monkeypatch):
     from sqjax.fixed_context import attention_state
 
     c = FixedContext.build(model, DOC, HierarchicalSqueezed(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
-    states = {"reference": c._state, "interpret": attention_state(c.data.k, c.data.v, c.index, clustered_layout=True)}
+    states = {"reference": c._state, "interpret": attention_state(c.kv.k, c.kv.v, c.index, clustered_layout=True)}
     logits, calls = _two_row_step_logits(model, c, states, (monkeypatch, "clustered_decode"))
     # traced once per layer inside lax.map, not once per row (the reference state has no layout)
     assert calls == ["interpret"] * (model.config.num_layers - HierarchicalSqueezed().dense_layers)

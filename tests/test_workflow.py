@@ -95,6 +95,41 @@ def test_questions_reuse_one_prefill(model, monkeypatch):
     assert len(calls) == 1 and ctx.n_prefills == 1 and other.n_prefills == 0
 
 
+@pytest.mark.parametrize("method", [Squeezed(sparsity=0.8), Saap(probes=4, dense_layers=0)], ids=lambda m: m.name)
+def test_context_holds_the_document_kv_once(model, method, tmp_path):
+    """After build, load and with_method the document's K/V live once, one array per layer: no
+    stacked [layers, Hkv, L, d] copy (nor SAAP's de-roped keys) stays alive, another method's
+    context shares the arrays, and `data` is a stacked copy made on demand."""
+    import gc
+
+    doc = DOC + " The inventory closes at noon."   # a length no other test's context has
+    cfg = model.config
+
+    def resident(n):
+        gc.collect()
+        layer = (cfg.num_kv_heads, n, cfg.head_dim)
+        live = jax.live_arrays()
+        return (sum(a.shape == layer for a in live), sum(a.shape == (cfg.num_layers, *layer) for a in live))
+
+    ctx = FixedContext.build(model, doc, method, chat=False)
+    n = ctx.n_tokens
+    assert resident(n) == (2 * cfg.num_layers, 0)       # K and V of each layer, nothing stacked
+    other = ctx.with_method(Quest(budget=0.3))
+    assert all(a is b for a, b in zip(other.kv.k + other.kv.v, ctx.kv.k + ctx.kv.v))
+    assert resident(n) == (2 * cfg.num_layers, 0)
+    data = ctx.data
+    np.testing.assert_array_equal(np.asarray(data.k), np.stack([np.asarray(x) for x in ctx.kv.k]))
+    np.testing.assert_array_equal(np.asarray(data.v[1]), np.asarray(ctx.kv.v[1]))
+    del data
+    ctx.save(tmp_path / "d.sqx")
+    back = FixedContext.load(tmp_path / "d.sqx", model)
+    assert resident(n) == (4 * cfg.num_layers, 0)       # the loaded context's own copy, per layer
+    for a, b in zip(back.kv.k + back.kv.v, ctx.kv.k + ctx.kv.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q = "Which aisle holds the lamps?"
+    assert back.ask(q, max_new_tokens=3).token_ids == ctx.ask(q, max_new_tokens=3).token_ids
+
+
 def test_decode_step_compiles_once(model):
     from models.forward import forward_jit, prefill_jit
 
@@ -341,7 +376,7 @@ def test_fused_clustered_decode_path_equals_reference(model, hierarchical):
     ctx.index = dataclasses.replace(ctx.index, threshold_decode=ctx.index.threshold * 0.5)
     ctx._state = {**ctx._state, "index": ctx.index}
     states = {"reference": ctx._state,
-              "interpret": attention_state(ctx.data.k, ctx.data.v, ctx.index, clustered_layout=True)}
+              "interpret": attention_state(ctx.kv.k, ctx.kv.v, ctx.index, clustered_layout=True)}
     assert ("level1" in states["interpret"]) == hierarchical
     logits = {}
     for backend, state in states.items():
