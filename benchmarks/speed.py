@@ -688,6 +688,16 @@ def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
     med = np.median(np.asarray(stages[1:]), axis=0)
     out["ask_stages"] = {"new_cache": float(med[0]), "forward_with_captures": float(med[1]),
                          "first_token": float(med[2])}
+    if jax.default_backend() == "gpu":  # where the question's prefill spends its device time
+        def run():
+            cache = ctx._new_cache(len(padded) + n_new)
+            jax.block_until_ready(ctx._run(padded, ctx.n_tokens, cache, capture=False, logits="last")[0])
+
+        planes = device_activity(run, top=12)
+        if planes:
+            prof = next(iter(planes.values()))
+            out["profile"] = {"busy_ms": prof["busy_ms"], "span_ms": prof["span_ms"],
+                              "n_kernels": prof["n_kernels"], "by_name": prof["by_name"]}
     return out
 
 
@@ -755,6 +765,11 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
                 f"{1e3 * rows[name]['question_prefill_s']['without_captures']:.1f} ms without")
             log(f"[e2e] ask, {name}: stages of the first token (synced) "
                 + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in rows[name]["question_prefill_s"]["ask_stages"].items()))
+            prof = rows[name]["question_prefill_s"].get("profile")
+            if prof:
+                log(f"[e2e] ask, {name}: question prefill device busy {prof['busy_ms']:.2f} ms, span "
+                    f"{prof['span_ms']:.2f} ms, {prof['n_kernels']} kernels; largest: "
+                    + "; ".join(f"{k['name'][:60]} {k['total_ms']:.3f} ms x{k['count']}" for k in prof["by_name"][:8]))
             log(f"[e2e] ask, {name}: TTFT {1e3 * rows[name]['ttft_s']:.1f} ms (calls: "
                 + ", ".join(f"{1e3 * x:.1f}" for x in ttft) + "), "
                 f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {rows[name]['ask_s']:.2f} s, "
