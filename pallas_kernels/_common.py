@@ -107,6 +107,24 @@ def check_heads(hq: int, hkv: int, what: str) -> None:
     raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}); {what}")
 
 
+def check_token_valid(q_valid, seq_len: int) -> None:
+  """q_valid: None or a [T] bool mask of the query block's real tokens (padding: False)."""
+  if q_valid is not None and (tuple(q_valid.shape) != (seq_len,) or q_valid.dtype != jnp.bool_):
+    raise ValueError(f"q_valid must be bool [T] = [{seq_len}] (the query block's real tokens), "
+                     f"got {q_valid.dtype} {tuple(q_valid.shape)}")
+
+
+def token_mean(s: jax.Array, q_valid, axis: int) -> jax.Array:
+  """Mean of ``s`` over its token axis, over the tokens ``q_valid`` [T] marks (all when None);
+  0 when no token is valid."""
+  if q_valid is None:
+    return jnp.mean(s, axis=axis)
+  shape = [1] * s.ndim
+  shape[axis] = -1
+  w = q_valid.astype(jnp.float32).reshape(shape)
+  return jnp.sum(s * w, axis=axis) / jnp.maximum(jnp.sum(q_valid.astype(jnp.float32)), 1.0)
+
+
 def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
   """Pads ``x`` along ``axis`` up to ``size`` (no copy when already that size)."""
   n = x.shape[axis]

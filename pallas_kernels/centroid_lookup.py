@@ -483,17 +483,20 @@ def prefill_block_c(cfg: CentroidLookupConfig, num_c: int, seq_len: int) -> tupl
           fit_t(cfg.score_block_t or cfg.block_t))
 
 
-def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, cfg, backend):
+def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, cfg, backend, q_valid=None):
   """Eq. 1 scores averaged over the T tokens and the R heads of each group.
 
   q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; n_valid [G] int32 or None: only
   rows ``[0, n_valid[g])`` of group g's centroids take part (both passes stop there:
-  a compacted candidate set costs its size, not C).  Returns avg [G, C] f32 (0 for
-  empty clusters and rows past the bound).
+  a compacted candidate set costs its size, not C).  q_valid [T] bool or None: the mean
+  is over these tokens only (a left-padded question block): the statistics pass's
+  denominator of a padding token is set to 0, which the scoring pass reads as "no
+  contribution", and the sum is divided by the number of valid tokens instead of T.
+  Returns avg [G, C] f32 (0 for empty clusters and rows past the bound).
   """
   hq, seq_len, d = q.shape
   hkv, num_c, _ = centroids.shape
-  if _mosaic_engine(cfg, q, centroids, backend):
+  if q_valid is None and _mosaic_engine(cfg, q, centroids, backend):
     return lookup_prefill_scores_mosaic(q, centroids, counts, n_valid, scale=scale, groups=groups,
                                         cfg=cfg.mosaic or DEFAULT_MOSAIC, interpret=backend == "interpret")
   r = hq // groups
@@ -520,6 +523,8 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
     mx = jnp.max(m, axis=0)
     l = jnp.sum(l * jnp.exp2(m - mx[None]), axis=0)
     m = mx
+  if q_valid is not None:  # padding tokens: D = 0, the scoring pass skips them
+    l = jnp.where(cm.pad_axis(q_valid, 0, t_pad, False)[None, :], l, 0.0)
   n_tb = cm.cdiv(seq_len, bt_b)
   splits = score_splits(cfg, nb * groups, r * n_tb, n_valid is not None)
   avg = pallas_call(
@@ -530,7 +535,10 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
       out_shape=jax.ShapeDtypeStruct((groups, splits, nb * bc_b), jnp.float32),
       name="centroid_lookup_scores",
   )(q_flat, c_flat, n_flat, m, l, *extra)
-  return jnp.sum(avg, axis=1)[:, :num_c]
+  avg = jnp.sum(avg, axis=1)[:, :num_c]
+  if q_valid is not None:  # the kernel divided by T
+    avg = avg * (seq_len / jnp.maximum(jnp.sum(q_valid.astype(jnp.float32)), 1.0))
+  return avg
 
 
 def mosaic_applies(dtype, d: int, backend: str) -> bool:
@@ -602,8 +610,9 @@ def _finish(scores, counts, threshold, vote, hq):
 
 @functools.partial(jax.jit, static_argnames=("scale", "vote", "reduce_stats"))
 def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="kv",
-                              reduce_stats=None):
-  """Plain-jnp Eq. 1.  q [Hq, T, d] (prefill: mean over T) or [Hq, d] (decode).
+                              reduce_stats=None, q_valid=None):
+  """Plain-jnp Eq. 1.  q [Hq, T, d] (prefill: mean over T, or over the tokens q_valid [T]
+  marks) or [Hq, d] (decode).
 
   ``reduce_stats`` (optional, static): maps this call's softmax statistics
   ``(max, denominator)`` [Hkv, g, T, 1] to the global ones (e.g. combined over the
@@ -629,7 +638,7 @@ def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="k
     mx, den = reduce_stats(mx, den)
     e = jnp.where(valid, jnp.exp(logits - mx), 0.0)
   s = jnp.where(den > 0, e / jnp.where(den > 0, den, 1.0), 0.0)   # [Hkv, g, T, C]
-  s = jnp.mean(s, axis=2)
+  s = cm.token_mean(s, q_valid, axis=2)
   s = jnp.mean(s, axis=1) if vote == "kv" else s.reshape(hq, num_c)
   return _finish(s, counts, threshold, vote, hq)
 
@@ -645,8 +654,9 @@ def centroid_lookup_prefill(
     vote: str = "kv",
     backend: str = "auto",
     config: CentroidLookupConfig | None = None,
+    q_valid: jax.Array | None = None,   # [T] bool: the block's real tokens (None: all)
 ) -> tuple[jax.Array, jax.Array]:
-  """Prefill centroid lookup: Eq. 1 averaged over the T query tokens.
+  """Prefill centroid lookup: Eq. 1 averaged over the T query tokens (those ``q_valid`` marks).
 
   ``scores[s, i] = mean_{h in group(s)} mean_t S_i(q[h, t])`` and
   ``selected = (scores > threshold) & (counts > 0)``.  ``vote="kv"``: Hs = Hkv,
@@ -655,15 +665,16 @@ def centroid_lookup_prefill(
   Returns (selected [Hs, C] bool, scores [Hs, C] f32).
   """
   _validate(q, centroids, counts, threshold, vote, 3)
+  cm.check_token_valid(q_valid, q.shape[1])
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
-    return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote)
+    return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote, q_valid=q_valid)
   cfg = config or DEFAULT_PREFILL
   hq = q.shape[0]
   hs = cm.num_selection_heads(hq, centroids.shape[0], vote)
   avg = lookup_prefill_scores(q, centroids, counts, scale=scale, groups=hs,
-                              cfg=cfg, backend=be)
+                              cfg=cfg, backend=be, q_valid=q_valid)
   return _finish(avg, counts, threshold, vote, hq)
 
 

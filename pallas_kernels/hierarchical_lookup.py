@@ -111,7 +111,7 @@ def _candidates_first(cand):
   return order, n_cand.astype(jnp.int32)
 
 
-def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
+def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg, q_valid=None):
   """-> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], n_touched [Hs])."""
   hq = q.shape[0]
   hkv, num_c1, _ = c1.shape
@@ -131,13 +131,13 @@ def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg):
   # Prefill: level 1 (Eq. 2) and its survivors; the candidates are gathered to the front
   # of a per-head copy of the level-2 centroids (a few MB), so that the same two passes
   # run over them with affine, pipelined loads and stop after the last one (Eq. 3).
-  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be)
+  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid)
   cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)
   order, n_cand = _candidates_first(cand)                          # [Hs, C2], [Hs]
   rows = kvh[:, None]
   cc = c2[rows, order]                                             # [Hs, C2, d]
   nc = jnp.where(jnp.arange(c2.shape[1])[None, :] < n_cand[:, None], n2[rows, order], 0)
-  s2c = lookup_prefill_scores(q, cc, nc, n_cand, scale=scale, groups=hs, cfg=cfg, backend=be)
+  s2c = lookup_prefill_scores(q, cc, nc, n_cand, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid)
   s2 = jnp.zeros_like(s2c).at[jnp.arange(hs)[:, None], order].set(s2c)
   s2 = jnp.where(cand, s2, 0.0)
   return s2, s1, cand, (num_c1 + n_cand).astype(jnp.int32)
@@ -147,9 +147,9 @@ def _finish(s2, cand, t2):
   return cand & (s2 > jnp.asarray(t2, jnp.float32)), s2
 
 
-def _eq1_masked(q, cent, counts, mask, scale):
-  """Eq. 1 with a per-(query head, centroid) validity mask, averaged over T.
-  q [Hq, T, d]; cent [Hkv, C, d]; counts [Hkv, C]; mask [Hq, C] -> [Hq, C]."""
+def _eq1_masked(q, cent, counts, mask, scale, q_valid=None):
+  """Eq. 1 with a per-(query head, centroid) validity mask, averaged over T (over the tokens
+  q_valid [T] marks).  q [Hq, T, d]; cent [Hkv, C, d]; counts [Hkv, C]; mask [Hq, C] -> [Hq, C]."""
   hq, seq_len, d = q.shape
   hkv = cent.shape[0]
   g = hq // hkv
@@ -163,11 +163,11 @@ def _eq1_masked(q, cent, counts, mask, scale):
   e = jnp.where(valid[:, None, :], jnp.exp(logits - mx), 0.0)
   den = jnp.sum(e * n[:, None, :], axis=-1, keepdims=True)
   s = jnp.where(den > 0, e / jnp.where(den > 0, den, 1.0), 0.0)
-  return jnp.mean(s, axis=1)
+  return cm.token_mean(s, q_valid, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "vote"))
-def _reference_scores(q, c1, n1, c2, n2, parent, t1, *, scale, vote):
+def _reference_scores(q, c1, n1, c2, n2, parent, t1, *, scale, vote, q_valid=None):
   if q.ndim == 2:
     q = q[:, None, :]
   hq = q.shape[0]
@@ -175,20 +175,22 @@ def _reference_scores(q, c1, n1, c2, n2, parent, t1, *, scale, vote):
   hs = cm.num_selection_heads(hq, hkv, vote)
   r = hq // hs
   kvh = _kvh(hq, hkv, hs)
-  s1 = _eq1_masked(q, c1, n1, jnp.ones((hq, num_c1), bool), scale)      # [Hq, C1]
+  s1 = _eq1_masked(q, c1, n1, jnp.ones((hq, num_c1), bool), scale, q_valid)   # [Hq, C1]
   s1 = jnp.mean(s1.reshape(hs, r, num_c1), axis=1)
   cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)     # [Hs, C2]
-  s2 = _eq1_masked(q, c2, n2, jnp.repeat(cand, r, axis=0), scale)     # denominators: candidates
+  s2 = _eq1_masked(q, c2, n2, jnp.repeat(cand, r, axis=0), scale, q_valid)   # denominators: candidates
   s2 = jnp.mean(s2.reshape(hs, r, -1), axis=1)
   return s2, s1, cand, (num_c1 + jnp.sum(cand, axis=1)).astype(jnp.int32)
 
 
-def hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, *, scale, vote="kv"):
-  """Plain-jnp Eq. 2-3 over dense masks.  q [Hq, T, d] or [Hq, d].
+def hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, *, scale, vote="kv", q_valid=None):
+  """Plain-jnp Eq. 2-3 over dense masks.  q [Hq, T, d] (mean over T, or over the tokens
+  q_valid [T] marks) or [Hq, d].
 
   Returns (selected [Hs, C2] bool, scores [Hs, C2] f32, n_touched [Hs] int32).
   """
-  s2, _, cand, touched = _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote)
+  s2, _, cand, touched = _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote,
+                                           q_valid=q_valid)
   return (*_finish(s2, cand, t2), touched)
 
 
@@ -209,27 +211,32 @@ def hierarchical_scores(
     vote: str = "kv",
     backend: str = "auto",
     config: CentroidLookupConfig | None = None,
+    q_valid: jax.Array | None = None,   # [T] bool (prefill): the block's real tokens (None: all)
 ):
-  """Eq. 2-3 scores before the level-2 threshold.
+  """Eq. 2-3 scores before the level-2 threshold (prefill: averaged over the tokens q_valid marks).
 
   Returns (s2 [Hs, C2] f32 Eq. 3 scores (0 off the candidates), s1 [Hs, C1] f32 Eq. 2
   scores, candidates [Hs, C2] bool, n_touched [Hs] int32).
   """
   _validate(q, c1, n1, c2, n2, parent, t1, vote, (2, 3))
+  if q_valid is not None and q.ndim == 2:
+    raise ValueError("q_valid applies to a prefill block q [Hq, T, d], not to a decode query [Hq, d]")
+  if q.ndim == 3:
+    cm.check_token_valid(q_valid, q.shape[1])
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
-    return _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote)
+    return _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, q_valid=q_valid)
   cfg = config or (DEFAULT_PREFILL if q.ndim == 3 else CentroidLookupConfig())
-  return _run(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, be=be, cfg=cfg)
+  return _run(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, be=be, cfg=cfg, q_valid=q_valid)
 
 
-def _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, rank):
+def _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, rank, q_valid=None):
   _validate(q, c1, n1, c2, n2, parent, t1, vote, (rank,))
   if jnp.ndim(t2) != 0:
     raise ValueError(f"t2 must be a scalar, got shape {jnp.shape(t2)}")
   s2, _, cand, touched = hierarchical_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote,
-                                             backend=backend, config=config)
+                                             backend=backend, config=config, q_valid=q_valid)
   return (*_finish(s2, cand, t2), touched)
 
 
@@ -248,13 +255,15 @@ def hierarchical_lookup_prefill(
     vote: str = "kv",
     backend: str = "auto",
     config: CentroidLookupConfig | None = None,
+    q_valid: jax.Array | None = None,   # [T] bool: the block's real tokens (None: all)
 ):
-  """Hierarchical lookup for a block of query tokens (scores averaged over T).
+  """Hierarchical lookup for a block of query tokens (scores averaged over T, or over the
+  tokens q_valid marks).
 
   Returns (selected [Hs, C2] bool, scores [Hs, C2] f32 (0 for non-candidates),
   n_touched [Hs] int32 = C1 + number of level-2 candidates).
   """
-  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 3)
+  return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 3, q_valid)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -45,8 +45,9 @@ def resolved() -> str:
     return b
 
 
-def cluster_scores(q, centroids, counts, scale: float, vote: str):
-    """Eq. 1 scores [Hs, C] through the centroid-lookup kernel, or None to use the jnp path."""
+def cluster_scores(q, centroids, counts, scale: float, vote: str, q_valid=None):
+    """Eq. 1 scores [Hs, C] through the centroid-lookup kernel (a block: averaged over the tokens
+    q_valid [T] marks, all when None), or None to use the jnp path."""
     b = resolved()
     if b == "reference":
         return None
@@ -54,15 +55,17 @@ def cluster_scores(q, centroids, counts, scale: float, vote: str):
 
     thr = jax.numpy.float32(0.0)
     centroids = centroids.astype(q.dtype)  # the index stores centroids in the keys' dtype; no-op then
-    if q.shape[1] == 1:
+    if q.shape[1] == 1 and q_valid is None:
         _, s = centroid_lookup_decode(q[:, 0], centroids, counts, thr, scale=scale, vote=vote, backend=b)
     else:
-        _, s = centroid_lookup_prefill(q, centroids, counts, thr, scale=scale, vote=vote, backend=b)
+        _, s = centroid_lookup_prefill(q, centroids, counts, thr, scale=scale, vote=vote, backend=b, q_valid=q_valid)
     return s
 
 
-def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale: float, vote: str):
-    """Eq. 2-3 through the hierarchical lookup kernels, or None to use the jnp path.
+def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale: float, vote: str,
+                        q_valid=None):
+    """Eq. 2-3 through the hierarchical lookup kernels (a block: averaged over the tokens q_valid
+    [T] marks), or None to use the jnp path.
 
     -> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], centroids read [Hs]) as
     `squeezed.HierarchicalScores` holds them.
@@ -73,9 +76,11 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
     from pallas_kernels import hierarchical_scores as kernel
 
     dt = q.dtype  # the index stores centroids in the keys' dtype; no-op then
-    q = q[:, 0] if q.shape[1] == 1 else q
+    if q.shape[1] == 1 and q_valid is None:  # decode
+        q = q[:, 0]
     return kernel(q, centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
-                  jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b)
+                  jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b,
+                  q_valid=q_valid)
 
 
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):

@@ -108,12 +108,11 @@ def cluster_scores(
     """Eq. 1 averaged over the T query tokens (and over the group when vote="kv").  -> [Hs, C] f32."""
     _check_lookup_inputs(q, centroids, counts)
     _check_vote(vote)
-    if q_valid is None:  # the kernels average over every token
-        from sqjax import dispatch
+    from sqjax import dispatch
 
-        s = dispatch.cluster_scores(q, centroids, counts, scale, vote)
-        if s is not None:
-            return s
+    s = dispatch.cluster_scores(q, centroids, counts, scale, vote, q_valid)
+    if s is not None:
+        return s
     logits = _group_logits(q, centroids, scale)  # [Hkv, g, T, C]
     w = counts.astype(jnp.float32)[:, None, None, :]
     s = _normalised_scores(logits, w, (counts > 0)[:, None, None, :])
@@ -151,12 +150,12 @@ def hierarchical_scores(
     _check_lookup_inputs(q, centroids2, counts2)
     check_rank("parent", parent, 2, "[Hkv, C2]")
     check_same("level-2 clusters", [("centroids2", centroids2.shape[1]), ("parent", parent.shape[1])])
-    if q_valid is None:  # the kernels average over every token
-        from sqjax import dispatch
+    from sqjax import dispatch
 
-        h = dispatch.hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale, vote)
-        if h is not None:
-            return HierarchicalScores(*h)
+    h = dispatch.hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale, vote,
+                                     q_valid)
+    if h is not None:
+        return HierarchicalScores(*h)
     hq, hkv = q.shape[0], centroids2.shape[0]
     g = hq // hkv
     s1 = cluster_scores(q, centroids1, counts1, scale, vote, q_valid)  # [Hs, C1]

@@ -142,6 +142,37 @@ def test_hierarchical_kernel_dispatch_equals_jnp(rng, vote, n_tokens):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=3e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("vote", ["kv", "q"])
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_kernel_dispatch_of_a_padded_block_equals_jnp(rng, vote, hierarchical):
+    """A left-padded question block (q_valid) goes to the lookup kernels too (it went to the jnp
+    path, which materialised [Hq, T, C] logits on the GPU): same scores as the jnp path, which
+    averages over the real tokens only."""
+    from sqjax import dispatch
+
+    hkv, hq, length, d, t, pad = 2, 4, 1500, 16, 9, 4
+    k = jnp.asarray(rng.normal(size=(1, hkv, length, d)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(1, hq, 64, d)).astype(np.float32))
+    cfg = SqueezedConfig(hierarchical=hierarchical, centroid_fraction=0.05, level1_fraction=0.01, n_obs=64, vote=vote)
+    idx, _ = build_squeezed_index(k, q_obs, cfg, 0.25)
+    li = idx.layer(0)
+    q = jnp.asarray(rng.normal(size=(hq, t, d)).astype(np.float32)).at[:, :pad].multiply(30.0)
+    q_valid = jnp.arange(t) >= pad
+    if hierarchical:
+        run = lambda qq, qv: hierarchical_scores(qq, li.centroids1, li.counts1, li.centroids, li.counts,  # noqa: E731
+                                                 li.parent, idx.threshold1, 0.25, vote, qv)
+    else:
+        run = lambda qq, qv: (cluster_scores(qq, li.centroids, li.counts, 0.25, vote, qv),)  # noqa: E731
+    with dispatch.using("interpret"):
+        got = run(q, q_valid)
+    with dispatch.using("reference"):
+        want = run(q, q_valid)
+        alone = run(q[:, pad:], None)
+    for a, b, c in zip(got, want, alone):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=3e-5, atol=1e-8)
+        np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(c, np.float64), rtol=3e-5, atol=1e-8)
+
+
 def np_retrieve(selected, scores, counts, labels, n_tail, capacity):
     """Brute force: keys of selected clusters, dropping lowest-score clusters when over capacity."""
     lc = labels.shape[0]

@@ -238,3 +238,35 @@ def test_score_splits_rule():
   assert score_splits(CentroidLookupConfig(score_splits=2), 4, 100, False) == 2
   with pytest.raises(ValueError, match="score_splits"):
     CentroidLookupConfig(score_splits=0)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+@pytest.mark.parametrize("pad", [0, 11, 36, 37])   # none, some, all but one, all tokens padding
+def test_prefill_mean_over_valid_tokens(rng, vote, pad):
+  """A left-padded block (q_valid): the kernel's scores are the mean over the real tokens only,
+  i.e. the lookup of the block without its padding rows; padding rows hold garbage."""
+  hq, hkv, seq_len, num_c, d = 8, 2, 37, 150, 64
+  q, cent, counts = make_inputs(rng, hq, hkv, seq_len, num_c, d, jnp.float32)
+  q = q.at[:, :pad].set(jnp.asarray(rng.normal(size=(hq, pad, d)) * 40.0, q.dtype))  # padding: huge
+  q_valid = jnp.arange(seq_len) >= pad
+  scale = d ** -0.5
+  _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=scale, vote=vote, q_valid=q_valid)
+  if pad < seq_len:   # the reference over the real tokens alone, and brute force
+    _, alone = centroid_lookup_reference(q[:, pad:], cent, counts, 0.0, scale=scale, vote=vote)
+    np.testing.assert_allclose(ref, alone, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(ref, brute_scores(q[:, pad:], cent, counts, scale, vote), rtol=1e-4, atol=1e-9)
+  else:
+    assert not np.asarray(ref).any()
+  for splits in (None, 3):
+    _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=scale, vote=vote, backend="interpret",
+                                    config=CentroidLookupConfig(block_c=32, block_t=16, score_splits=splits),
+                                    q_valid=q_valid)
+    assert np.isfinite(np.asarray(sc)).all()
+    np.testing.assert_allclose(sc, ref, rtol=2e-5, atol=1e-7)
+
+
+def test_prefill_q_valid_errors(rng):
+  q, cent, counts = make_inputs(rng, 4, 2, 5, 20, 32, jnp.float32)
+  for bad in (jnp.ones((4,), bool), jnp.ones((5,), jnp.int32)):
+    with pytest.raises(ValueError, match=r"q_valid must be bool \[T\] = \[5\]"):
+      centroid_lookup_prefill(q, cent, counts, 0.1, scale=0.2, backend="interpret", q_valid=bad)

@@ -249,3 +249,30 @@ def test_prefill_statistics_splits(rng, stats_splits):
   _, rsc, rnt = hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, scale=0.2)
   np.testing.assert_array_equal(nt, rnt)
   np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+@pytest.mark.parametrize("pad", [0, 9, 21])
+def test_prefill_mean_over_valid_tokens(rng, vote, pad):
+  """Left padding (q_valid): both levels average over the real tokens only -- the kernels equal
+  the reference, which equals the lookup of the block without its padding rows."""
+  hq, hkv, seq_len, num_c1, num_c2, d = 8, 2, 21, 13, 90, 64
+  q, c1, n1, c2, n2, parent = make_inputs(rng, hq, hkv, seq_len, num_c1, num_c2, d, jnp.float32)
+  q = q.at[:, :pad].set(jnp.asarray(rng.normal(size=(hq, pad, d)) * 40.0, q.dtype))
+  q_valid = jnp.arange(seq_len) >= pad
+  scale = d ** -0.5
+  real = q[:, pad:] if pad < seq_len else q[:, :1]
+  t1, t2 = thresholds(real, c1, n1, vote, scale)
+  args = (q, c1, n1, c2, n2, parent, t1, t2)
+  rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote, q_valid=q_valid)
+  if pad < seq_len:
+    asel, asc, ant = hierarchical_lookup_reference(real, *args[1:], scale=scale, vote=vote)
+    np.testing.assert_array_equal(rnt, ant)
+    np.testing.assert_allclose(rsc, asc, rtol=1e-5, atol=1e-8)
+  else:  # no real token: every score is 0, nothing survives level 1 unless T1 <= 0
+    assert not np.asarray(rsc).any()
+  sel, sc, nt = hierarchical_lookup_prefill(*args, scale=scale, vote=vote, backend="interpret",
+                                            config=CentroidLookupConfig(block_c=16, block_t=16), q_valid=q_valid)
+  assert np.isfinite(np.asarray(sc)).all()
+  np.testing.assert_array_equal(nt, rnt)
+  np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-7)
