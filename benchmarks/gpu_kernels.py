@@ -271,13 +271,17 @@ def run_checks(plan: Plan, log) -> list[dict]:
 
   check = functools.partial(_run_check, log, results)
 
-  def lookup_case(vote, prefill, config=None):
+  def padding(pad):  # a left-padded block: the first `pad` tokens are padding (None: no mask)
+    return None if pad is None else jnp.arange(seq_len) >= min(pad, seq_len - 1)
+
+  def lookup_case(vote, prefill, config=None, pad=None):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     q = x["q"] if prefill else x["q"][:, 0]
-    _, ref = centroid_lookup_reference(q, x["cent"], x["ccnt"], 0.0, scale=scale, vote=vote)
+    kw = {} if pad is None else {"q_valid": padding(pad)}
+    _, ref = centroid_lookup_reference(q, x["cent"], x["ccnt"], 0.0, scale=scale, vote=vote, **kw)
     thr = np.float32(np.quantile(np.asarray(ref)[np.asarray(ref) > 0], 0.8))
     f = centroid_lookup_prefill if prefill else centroid_lookup_decode
-    sel, sc = f(q, x["cent"], x["ccnt"], thr, scale=scale, vote=vote, backend=be, config=config)
+    sel, sc = f(q, x["cent"], x["ccnt"], thr, scale=scale, vote=vote, backend=be, config=config, **kw)
     far = np.abs(np.asarray(ref) - thr) > 1e-3 * float(np.max(ref))
     flips = int(np.sum((np.asarray(sel) != (np.asarray(ref) > thr)) & far))
     err = rel_err(sc, ref)
@@ -305,7 +309,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
         err = max(err, float(np.abs(a[s_, :upto[s_]] - b[s_, :upto[s_]]).max(initial=0.0)))
     return err, {"rows_live": int(np.asarray(n).sum()), "cap_p": int(ko.shape[1])}
 
-  def hier_case(vote, prefill, parent_major, config=None):
+  def hier_case(vote, prefill, parent_major, config=None, pad=None):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     c1n = max(2, num_c // 5)
     parent = rng.integers(0, c1n, size=(hkv, num_c))
@@ -316,8 +320,9 @@ def run_checks(plan: Plan, log) -> list[dict]:
     t1 = np.float32(0.5 / c1n)
     args = (q, c1, n1, x["cent"], x["ccnt"], parent, t1, np.float32(1.0 / num_c))
     f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
-    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be, config=config)
-    rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote)
+    kw = {} if pad is None else {"q_valid": padding(pad)}
+    sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be, config=config, **kw)
+    rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote, **kw)
     touched_diff = int(np.abs(np.asarray(nt) - np.asarray(rnt)).max())
     return rel_err(sc, rsc), {"n_touched_max_diff": touched_diff}
 
@@ -391,6 +396,10 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("centroid_lookup_decode vote=q", lambda: lookup_case("q", False), tl)
     check("sparse_attention decode Hs=Hq", lambda: attn_case(1, hq, False), ta)
     check("sparse_attention prefill Hs=Hq", lambda: attn_case(seq_len, hq, False), ta)
+    # a left-padded question block: the mean over its real tokens only (q_valid)
+    check("centroid_lookup_prefill vote=kv, left-padded block", lambda: lookup_case("kv", True, pad=seq_len // 3), tl)
+    check("hierarchical_lookup_prefill vote=kv, left-padded block",
+          lambda: hier_case("kv", True, False, pad=seq_len // 3), tl)
   if plan.checks == "full" and mosaic_applies(BF16, d, be):
     # the opt-in Mosaic GPU prefill passes (CentroidLookupConfig(prefill_engine="mosaic"))
     mos = dataclasses.replace(DEFAULT_PREFILL, prefill_engine="mosaic")
