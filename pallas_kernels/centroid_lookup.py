@@ -70,9 +70,12 @@ class CentroidLookupConfig:
   score_splits: programs sharing one centroid block's tiles in the prefill scoring pass
     (partial sums added after it); None = enough for ~1024 programs (``score_splits``).
   stats_splits: programs sharing one (token block, head)'s centroid blocks in the
-    statistics pass of a bounded (compacted level-2) call, their (max, denominator)
-    combined after; None = 2.  Unbounded calls always use one.  At 512K / 4K tokens on an
-    H200 1, 2 and 4 measured the same (gpu_h200_hierarchical/prefill_splits_994a427).
+    statistics pass, their (max, denominator) combined after; None = automatic
+    (``stats_splits``): 2 for a bounded (compacted level-2) call, and for a short block
+    (a question: one token block, 32 programs for 32 heads) as many as bring the pass to
+    ~256 programs.  At 512K / 4K tokens on an H200 1, 2 and 4 measured the same
+    (gpu_h200_hierarchical/prefill_splits_994a427); a 123-token question at 128K spent
+    131 us per layer in the unsplit pass on an H100 (gpu_h100_kernels/).
   prefill_engine: which kernels run the two prefill passes when compiled: ``"triton"``;
     ``"mosaic"`` (``lookup_mosaic``: TMA + wgmma with warp-specialised programs, Hopper
     only, bf16/f16 with d % 64 == 0); ``"auto"`` = Mosaic where it applies on a Hopper GPU,
@@ -306,8 +309,8 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
 
   m0 = jnp.full((block_t,), cm.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_t,), jnp.float32)
-  if bounded:  # traced trip count: int32 bounds on both ends (see the scoring pass)
-    nblk = cm.kcdiv(n, block_c)
+  if bounded or splits > 1:  # traced trip count: int32 bounds on both ends (see the scoring pass)
+    nblk = cm.kcdiv(n, block_c) if bounded else jnp.int32(cm.cdiv(num_c, block_c))
     chunk = cm.kcdiv(nblk, splits)
     start = (z * chunk).astype(jnp.int32)
     stop = jnp.maximum(jnp.minimum(start + chunk, nblk), start).astype(jnp.int32)
@@ -509,7 +512,7 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   extra = [] if n_valid is None else [n_valid.astype(jnp.int32)]
   common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
                 bounded=n_valid is not None)
-  ssplits = 1 if n_valid is None else (cfg.stats_splits or 2)
+  ssplits = stats_splits(cfg, (t_pad // bt_a) * hq, cm.cdiv(num_c, bc_a), n_valid is not None)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, **common),
       backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -560,6 +563,20 @@ def _mosaic_engine(cfg: CentroidLookupConfig, q, centroids, backend: str) -> boo
   if backend == "pallas" and not is_hopper():
     raise ValueError("prefill_engine='mosaic' needs a Hopper GPU (wgmma, TMA); use 'triton' or 'auto'")
   return True
+
+
+STATS_PROGRAMS = 256   # the statistics pass's automatic splits aim at about this many programs
+
+
+def stats_splits(cfg: CentroidLookupConfig, programs: int, blocks: int, bounded: bool) -> int:
+  """Shares of the centroid blocks per (token block, head) in the statistics pass: the
+  configured number, else 2 for a bounded call and, when the (token block, head) grid has
+  fewer than ``STATS_PROGRAMS`` programs (a short block), enough to reach about that many
+  (at most one block per share)."""
+  if cfg.stats_splits is not None:
+    return cfg.stats_splits
+  auto = cm.cdiv(STATS_PROGRAMS, programs) if programs < STATS_PROGRAMS else 1
+  return max(2 if bounded else 1, min(auto, blocks))
 
 
 def score_splits(cfg: CentroidLookupConfig, programs: int, tiles: int, bounded: bool) -> int:

@@ -270,3 +270,26 @@ def test_prefill_q_valid_errors(rng):
   for bad in (jnp.ones((4,), bool), jnp.ones((5,), jnp.int32)):
     with pytest.raises(ValueError, match=r"q_valid must be bool \[T\] = \[5\]"):
       centroid_lookup_prefill(q, cent, counts, 0.1, scale=0.2, backend="interpret", q_valid=bad)
+
+
+@pytest.mark.parametrize("stats_splits", [None, 3, 64])
+def test_prefill_statistics_splits_of_a_short_block(rng, stats_splits):
+  """A short block (one token block: a question) splits the statistics pass's centroid blocks
+  over several programs, their (max, denominator) combined after: same scores, padded or not."""
+  q, cent, counts = make_inputs(rng, 8, 2, 11, 300, 64, jnp.float32)
+  cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_splits=stats_splits)
+  for q_valid in (None, jnp.arange(11) >= 4):
+    _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=0.125, q_valid=q_valid)
+    _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, backend="interpret", config=cfg,
+                                    q_valid=q_valid)
+    np.testing.assert_allclose(sc, ref, rtol=2e-5, atol=1e-7)
+
+
+def test_statistics_splits_rule():
+  from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, stats_splits
+  blocks = 52                                                       # 6.5K centroids / 128
+  assert stats_splits(DEFAULT_PREFILL, 32, blocks, False) == 8      # a question: 1 token block x 32 heads
+  assert stats_splits(DEFAULT_PREFILL, 1024, blocks, False) == 1    # 4K tokens: unchanged
+  assert stats_splits(DEFAULT_PREFILL, 1024, blocks, True) == 2     # a bounded level 2: as before
+  assert stats_splits(DEFAULT_PREFILL, 32, 3, False) == 3           # never more shares than blocks
+  assert stats_splits(CentroidLookupConfig(stats_splits=5), 32, blocks, False) == 5
