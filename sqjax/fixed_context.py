@@ -306,11 +306,14 @@ class FixedContext:
 
     def with_method(self, method: Method) -> "FixedContext":
         """The same prefilled document indexed for another method (no new prefill)."""
-        data = self.data  # a stacked copy while the index is built
-        if isinstance(method, Saap):
-            data = dataclasses.replace(data, k_pre=_derope_keys(self.model, data.k))
-        index, info = method.build(data)
-        del data
+        if type(method).build is Method.build:  # full, StreamingLLM, oracle: nothing built from the K/V
+            index, info = method.build(None)
+        else:
+            data = self.data  # a stacked copy while the index is built
+            if isinstance(method, Saap):
+                data = dataclasses.replace(data, k_pre=_derope_keys(self.model, data.k))
+            index, info = method.build(data)
+            del data
         ctx = FixedContext(self.model, method, self.doc_ids, self.kv, index, _jsonable(info),
                            last_logits=self.last_logits, chat=self.chat,
                            suffix_template=self.suffix_template, doc_sha256=self.doc_sha256)

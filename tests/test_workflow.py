@@ -96,7 +96,7 @@ def test_questions_reuse_one_prefill(model, monkeypatch):
 
 
 @pytest.mark.parametrize("method", [Squeezed(sparsity=0.8), Saap(probes=4, dense_layers=0)], ids=lambda m: m.name)
-def test_context_holds_the_document_kv_once(model, method, tmp_path):
+def test_context_holds_the_document_kv_once(model, method, tmp_path, monkeypatch):
     """After build, load and with_method the document's K/V live once, one array per layer: no
     stacked [layers, Hkv, L, d] copy (nor SAAP's de-roped keys) stays alive, another method's
     context shares the arrays, and `data` is a stacked copy made on demand."""
@@ -117,6 +117,10 @@ def test_context_holds_the_document_kv_once(model, method, tmp_path):
     other = ctx.with_method(Quest(budget=0.3))
     assert all(a is b for a, b in zip(other.kv.k + other.kv.v, ctx.kv.k + ctx.kv.v))
     assert resident(n) == (2 * cfg.num_layers, 0)
+    with monkeypatch.context() as mp:  # methods that build nothing from the K/V never stack it
+        mp.setattr(fc.LayerKV, "stacked", lambda *a, **k: pytest.fail("stacked for a method without an index"))
+        for m in (Full(), StreamingLLM(budget=0.3), Oracle(budget=0.3)):
+            assert ctx.with_method(m).kv.k[0] is ctx.kv.k[0]
     data = ctx.data
     np.testing.assert_array_equal(np.asarray(data.k), np.stack([np.asarray(x) for x in ctx.kv.k]))
     np.testing.assert_array_equal(np.asarray(data.v[1]), np.asarray(ctx.kv.v[1]))
