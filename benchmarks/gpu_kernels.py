@@ -271,13 +271,13 @@ def run_checks(plan: Plan, log) -> list[dict]:
 
   check = functools.partial(_run_check, log, results)
 
-  def padding(pad):  # a left-padded block: the first `pad` tokens are padding (None: no mask)
-    return None if pad is None else jnp.arange(seq_len) >= min(pad, seq_len - 1)
+  def padding(pad):  # a left-padded block's q_valid keyword: the first `pad` tokens are padding
+    return {} if pad is None else {"q_valid": jnp.arange(seq_len) >= min(pad, seq_len - 1)}
 
   def lookup_case(vote, prefill, config=None, pad=None):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     q = x["q"] if prefill else x["q"][:, 0]
-    kw = {} if pad is None else {"q_valid": padding(pad)}
+    kw = padding(pad)
     _, ref = centroid_lookup_reference(q, x["cent"], x["ccnt"], 0.0, scale=scale, vote=vote, **kw)
     thr = np.float32(np.quantile(np.asarray(ref)[np.asarray(ref) > 0], 0.8))
     f = centroid_lookup_prefill if prefill else centroid_lookup_decode
@@ -320,7 +320,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
     t1 = np.float32(0.5 / c1n)
     args = (q, c1, n1, x["cent"], x["ccnt"], parent, t1, np.float32(1.0 / num_c))
     f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
-    kw = {} if pad is None else {"q_valid": padding(pad)}
+    kw = padding(pad)
     sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be, config=config, **kw)
     rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote, **kw)
     touched_diff = int(np.abs(np.asarray(nt) - np.asarray(rnt)).max())

@@ -739,7 +739,6 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
     question = ("Which of the measurements in the document above was taken on the largest input, and by how "
                 "much did it beat the baseline?")[: max(1, n_prompt - 2)]
     rows = {}
-    ctx = None
     for name, method, idx in methods:
         ctx = None  # the previous method's context (its clustered copy of the K/V) goes first
         try:
@@ -872,14 +871,15 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     length = plan.e2e_length
     inv = tuple(float(x) for x in config_frequencies(cfg))
     full_hook = SparseAttentionHook(Full(), inv, backend=plan.backend)
-    # per-layer K/V (ks, vs) are what the hooks and FixedContext keep; the stacked copy (k_fix, v_fix)
-    # exists for the index build (an 80 GB H100 ran out of memory holding a third copy)
+    # per-layer K/V (full_state's) are what the hooks and FixedContext keep; the stacked copy
+    # (k_fix, v_fix) exists for the index build (an 80 GB H100 ran out of memory holding a third copy)
     if offline and offline.get("data") is not None and offline["data"].k.shape[2] == length:
         k_fix, v_fix = offline["data"].k, offline["data"].v
-        ks, vs = (tuple(x[i] for i in range(x.shape[0])) for x in (k_fix, v_fix))
+        full_state = attention_state(k_fix, v_fix, None)
     else:
         ks, vs = zip(*[src.kv(length, seed=layer) for layer in range(plan.e2e_layers)])
         k_fix, v_fix = jnp.stack(ks), jnp.stack(vs)
+        full_state = attention_state(ks, vs, None)
 
     def model_queries(hook, st, toks, start):
         """The model's own roped queries [layers, Hq, T, d] for tokens [1, T] at start.. (attending
@@ -895,9 +895,9 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     # SmolLM2 ones) put its score distribution elsewhere and the in-situ selection kept ~all rows
     n_obs = 100 if not plan.cpu else 8
     obs_tokens = jax.random.randint(jax.random.key(7), (1, n_obs), 0, cfg.vocab_size)
-    full_state = attention_state(ks, vs, None)
     q_obs = model_queries(full_hook, full_state, obs_tokens, length - n_obs)
     data = ContextData(k_fix, v_fix, q_obs.astype(BF16), scale=1.0 / math.sqrt(plan.d))
+    kv = LayerKV(full_state["k"], full_state["v"], data.q_obs, data.scale)  # what the `ask` rows share
     from sqjax import dispatch
 
     # a shorter clustering (8 Lloyd iterations instead of 25) keeps this section short;
@@ -914,7 +914,6 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     tokens = jax.random.randint(jax.random.key(1), (1, n_prompt), 0, cfg.vocab_size)
 
     if plan.e2e_ask_only:
-        kv = LayerKV(tuple(ks), tuple(vs), data.q_obs, data.scale)
         del full_state, data, k_fix, v_fix
         return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, kv, length, n_prompt, n_steps, log)
     # the model's decode queries (one token after the question, full attention upstream)
@@ -1082,7 +1081,6 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     if all("attention_busy_ms_per_token" in out.get(n, {}) for n in ("squeezed", "full")):
         out["attention_busy_speedup"] = (out["full"]["attention_busy_ms_per_token"]
                                          / out["squeezed"]["attention_busy_ms_per_token"])
-    kv = LayerKV(tuple(ks), tuple(vs), data.q_obs, data.scale)
     return _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, kv, length, n_prompt, n_steps, log)
 
 

@@ -494,7 +494,8 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   a compacted candidate set costs its size, not C).  q_valid [T] bool or None: the mean
   is over these tokens only (a left-padded question block): the statistics pass's
   denominator of a padding token is set to 0, which the scoring pass reads as "no
-  contribution", and the sum is divided by the number of valid tokens instead of T.
+  contribution", and the sum is divided by the number of valid tokens instead of T (always
+  the Triton passes: the Mosaic ones take no mask).
   Returns avg [G, C] f32 (0 for empty clusters and rows past the bound).
   """
   hq, seq_len, d = q.shape
