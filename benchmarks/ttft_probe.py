@@ -1,0 +1,205 @@
+"""Diagnostic (GPU): where the host time of a question's prefill goes, and what XLA's command
+buffers do to it when the buffers stay put.
+
+Runs the speed suite's end-to-end set-up (8B-shaped random model, fixed context, Squeezed index;
+`python -m benchmarks.speed --skip offline,kernels --e2e-ask-only`) and, in place of its `ask`
+rows, for Squeezed and for full attention:
+  * the question's prefill as `ask` runs it (`prefill_jit`, no command buffers, fresh cache),
+    synced, median of 5;
+  * the same through `forward_jit` (command buffers) (a) on a fresh cache each call, (b) on a
+    donated cache chain with the same token / position arrays (stable addresses), (c) on a donated
+    cache chain with new token / position arrays each call;
+  * a profiler trace of one prefill of each kind: device busy / span / kernels by name, and the
+    host planes' events by name (what the host spends its time on);
+  * `ask`'s time to first token (3 calls after a compiling one).
+Writes probe.json under --out.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from benchmarks import speed
+from benchmarks._meta import metadata
+from benchmarks._profile import summarize
+
+RESULTS: dict = {}
+
+
+def _trace(run, top: int = 60) -> dict:
+    """Trace run(): per device plane `summarize`, and per host line the events by name."""
+    from jax.profiler import ProfileData
+
+    tmp = tempfile.mkdtemp(prefix="sqjax_probe_")
+    try:
+        with jax.profiler.trace(tmp):
+            run()
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        data = ProfileData.from_file(paths[0])
+        out = {"device": {}, "host": {}}
+        for plane in data.planes:
+            if plane.name.startswith("/device:"):
+                ev = [(line.name, e.name, int(e.start_ns), int(e.end_ns), None) for line in plane.lines
+                      if line.name not in speed_derived() for e in line.events if e.end_ns > e.start_ns]
+                if ev:
+                    s = summarize(ev, top=top)
+                    s.pop("by_hlo_op", None)
+                    out["device"][plane.name] = s
+            elif plane.name.startswith("/host:"):
+                for line in plane.lines:
+                    groups = defaultdict(list)
+                    span = [None, None]
+                    for e in line.events:
+                        groups[e.name].append(int(e.end_ns) - int(e.start_ns))
+                        span[0] = int(e.start_ns) if span[0] is None else min(span[0], int(e.start_ns))
+                        span[1] = int(e.end_ns) if span[1] is None else max(span[1], int(e.end_ns))
+                    if not groups:
+                        continue
+                    rows = sorted(({"name": k[:120], "count": len(v), "total_ms": sum(v) / 1e6}
+                                   for k, v in groups.items()), key=lambda r: -r["total_ms"])
+                    out["host"][f"{plane.name} | {line.name}"] = {
+                        "n_events": sum(len(v) for v in groups.values()),
+                        "span_ms": (span[1] - span[0]) / 1e6, "by_name": rows[:top]}
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def speed_derived():
+    from benchmarks._profile import _DERIVED
+    return _DERIVED
+
+
+def _median_ms(f, n: int = 5, warm: int = 2) -> tuple[float, list]:
+    for _ in range(warm):
+        f()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return float(np.median(ts)), ts
+
+
+def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> dict:
+    from models.forward import forward_jit
+    from sqjax.fixed_context import FixedContext, _left_pad, _tokens_positions
+
+    question = ("Which of the measurements in the document above was taken on the largest input, and by how "
+                "much did it beat the baseline?")[: max(1, n_prompt - 2)]
+    rows = {}
+    for name, method, idx in methods:
+        r = rows[name] = {}
+        ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None, chat=False,
+                           suffix_template="\n\n{question}", doc_sha256="random")
+        t0 = time.perf_counter()
+        ctx.ask(question, max_new_tokens=2)
+        r["first_ask_s"] = time.perf_counter() - t0
+        padded = _left_pad([ctx._question_ids(question)])[0]
+        tok, pos = _tokens_positions(padded, ctx.n_tokens)
+        n_cache = len(padded) + n_new
+
+        def plain():
+            return jax.block_until_ready(ctx._run(padded, ctx.n_tokens, ctx._new_cache(n_cache), capture=False,
+                                                  logits="last")[0])
+
+        def fwd(t, p, cache):
+            return forward_jit(model.graphdef, model.state, t, p, cache, attn_fn=ctx._hook, attn_state=ctx._state,
+                               capture_last=False, logits="last")
+
+        r["plain_ms"], r["plain_calls"] = _median_ms(plain)
+        log(f"[probe] {name}: prefill_jit, fresh cache {r['plain_ms']:.2f} ms {np.round(r['plain_calls'], 2)}")
+
+        def cmdbuf_fresh():
+            return jax.block_until_ready(fwd(tok, pos, ctx._new_cache(n_cache))[0])
+
+        t0 = time.perf_counter()
+        cmdbuf_fresh()
+        r["cmdbuf_compile_s"] = time.perf_counter() - t0
+        r["cmdbuf_fresh_ms"], r["cmdbuf_fresh_calls"] = _median_ms(cmdbuf_fresh)
+        log(f"[probe] {name}: forward_jit, fresh cache {r['cmdbuf_fresh_ms']:.2f} ms {np.round(r['cmdbuf_fresh_calls'], 2)}")
+
+        box = {"cache": ctx._new_cache(n_cache)}
+
+        def cmdbuf_stable():
+            lg, box["cache"], _ = fwd(tok, pos, box["cache"])
+            return jax.block_until_ready(lg)
+
+        r["cmdbuf_stable_ms"], r["cmdbuf_stable_calls"] = _median_ms(cmdbuf_stable, n=7, warm=3)
+        log(f"[probe] {name}: forward_jit, donated cache chain, same tokens {r['cmdbuf_stable_ms']:.2f} ms "
+            f"{np.round(r['cmdbuf_stable_calls'], 2)}")
+
+        def cmdbuf_new_tokens():
+            t, p = _tokens_positions(padded, ctx.n_tokens)
+            lg, box["cache"], _ = fwd(t, p, box["cache"])
+            return jax.block_until_ready(lg)
+
+        r["cmdbuf_new_tokens_ms"], r["cmdbuf_new_tokens_calls"] = _median_ms(cmdbuf_new_tokens, n=7, warm=3)
+        log(f"[probe] {name}: forward_jit, donated cache chain, new token arrays {r['cmdbuf_new_tokens_ms']:.2f} ms "
+            f"{np.round(r['cmdbuf_new_tokens_calls'], 2)}")
+        _save(log)
+        for label, f in (("plain", plain), ("cmdbuf_stable", cmdbuf_stable)):
+            try:
+                tr = _trace(f)
+                r[f"trace_{label}"] = tr
+                dev = next(iter(tr["device"].values()), {})
+                log(f"[probe] {name}: trace {label}: device busy {dev.get('busy_ms', 0):.2f} ms, span "
+                    f"{dev.get('span_ms', 0):.2f} ms, {dev.get('n_kernels', 0)} kernels")
+                for line, h in sorted(tr["host"].items(), key=lambda kv: -kv[1]["span_ms"])[:4]:
+                    log(f"[probe]   host {line}: {h['n_events']} events, span {h['span_ms']:.2f} ms; "
+                        + "; ".join(f"{x['name'][:50]} {x['total_ms']:.2f} ms x{x['count']}" for x in h["by_name"][:10]))
+            except Exception as e:  # noqa: BLE001
+                r[f"trace_{label}"] = {"error": repr(e)[:500]}
+                log(f"[probe] {name}: trace {label} failed: {e!r}"[:400])
+            _save(log)
+        ttft = []
+        for _ in range(3):
+            a = ctx.ask(question, max_new_tokens=2)
+            ttft.append(1e3 * a.stats.time_to_first_token_s)
+        r["ask_ttft_ms"] = ttft
+        log(f"[probe] {name}: ask TTFT {np.round(ttft, 2)} ms")
+        _save(log)
+        del ctx, box
+    return rows
+
+
+def _save(log):
+    out = RESULTS.get("_out")
+    if out:
+        with open(os.path.join(out, "probe.json.tmp"), "w") as f:
+            json.dump({k: v for k, v in RESULTS.items() if k != "_out"}, f, indent=1, default=str)
+        os.replace(os.path.join(out, "probe.json.tmp"), os.path.join(out, "probe.json"))
+
+
+def main() -> int:
+    out = sys.argv[sys.argv.index("--out") + 1]
+    os.makedirs(out, exist_ok=True)
+    RESULTS["_out"] = out
+    RESULTS["meta"] = metadata()
+
+    def rows(*a, **k):
+        RESULTS["rows"] = probe_rows(*a, **k)
+        return RESULTS["rows"]
+
+    speed._ask_rows = rows
+    try:
+        rc = speed.main(sys.argv[1:])
+    except KeyError as e:  # the suite's markdown expects its own `ask` rows; probe.json holds ours
+        print(f"[probe] speed's report skipped ({e!r})")
+        rc = 0
+    _save(print)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
