@@ -120,6 +120,36 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
         r["plain_ms"], r["plain_calls"] = _median_ms(plain)
         log(f"[probe] {name}: prefill_jit, fresh cache {r['plain_ms']:.2f} ms {np.round(r['plain_calls'], 2)}")
 
+        def plain_captures():
+            return jax.block_until_ready(ctx._run(padded, ctx.n_tokens, ctx._new_cache(n_cache), capture=None,
+                                                  logits="last")[0])
+
+        r["plain_captures_ms"], r["plain_captures_calls"] = _median_ms(plain_captures)
+        log(f"[probe] {name}: prefill_jit with captures (as ask), fresh cache {r['plain_captures_ms']:.2f} ms "
+            f"{np.round(r['plain_captures_calls'], 2)}")
+
+        def ask_path(capture):
+            # `ask_many`'s path to its first token, with a host timestamp after each call returns
+            from sqjax.fixed_context import _first_token
+            import jax.numpy as jnp
+            t = [time.perf_counter()]
+            cache = ctx._new_cache(n_cache)
+            t.append(time.perf_counter())
+            lg, cache, caps = ctx._run(padded[None], ctx.n_tokens, cache, capture=capture, logits="last")
+            t.append(time.perf_counter())
+            first = _first_token(lg, jax.random.key(0), jnp.float32(0.0), jnp.float32(1.0), greedy=True,
+                                 use_top_p=False)
+            t.append(time.perf_counter())
+            np.asarray(first)
+            t.append(time.perf_counter())
+            return np.diff(1e3 * np.asarray(t))
+
+        for capture, label in ((None, "ask_path"), (False, "ask_path_no_captures")):
+            stages = np.asarray([ask_path(capture) for _ in range(6)])[2:]
+            r[label] = {"stages_ms": np.median(stages, axis=0).tolist(), "total_ms": float(np.median(stages.sum(1)))}
+            log(f"[probe] {name}: {label}: new_cache / run / first_token dispatch / wait, host ms "
+                f"{np.round(r[label]['stages_ms'], 2)}, total {r[label]['total_ms']:.2f}")
+
         def cmdbuf_fresh():
             return jax.block_until_ready(fwd(tok, pos, ctx._new_cache(n_cache))[0])
 
@@ -148,13 +178,14 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
         log(f"[probe] {name}: forward_jit, donated cache chain, new token arrays {r['cmdbuf_new_tokens_ms']:.2f} ms "
             f"{np.round(r['cmdbuf_new_tokens_calls'], 2)}")
         _save(log)
-        for label, f in (("plain", plain), ("cmdbuf_stable", cmdbuf_stable)):
+        for label, f in (("plain", plain), ("plain_captures", plain_captures), ("ask_path", lambda: ask_path(None))):
             try:
                 tr = _trace(f)
                 r[f"trace_{label}"] = tr
                 dev = next(iter(tr["device"].values()), {})
                 log(f"[probe] {name}: trace {label}: device busy {dev.get('busy_ms', 0):.2f} ms, span "
-                    f"{dev.get('span_ms', 0):.2f} ms, {dev.get('n_kernels', 0)} kernels")
+                    f"{dev.get('span_ms', 0):.2f} ms, {dev.get('n_kernels', 0)} kernels; gaps "
+                    + ", ".join(f"{g['ms']:.2f} ms before {g['before'][:40]}" for g in dev.get("gaps", [])[:4]))
                 for line, h in sorted(tr["host"].items(), key=lambda kv: -kv[1]["span_ms"])[:4]:
                     log(f"[probe]   host {line}: {h['n_events']} events, span {h['span_ms']:.2f} ms; "
                         + "; ".join(f"{x['name'][:50]} {x['total_ms']:.2f} ms x{x['count']}" for x in h["by_name"][:10]))
