@@ -12,6 +12,7 @@ rows, for Squeezed and for full attention:
   * a profiler trace of one prefill of each kind: device busy / span / kernels by name, and the
     host planes' events by name (what the host spends its time on);
   * `ask`'s time to first token (3 calls after a compiling one).
+With --ab instead: `ask` itself, prefill without / with command buffers alternating (`ab_rows`).
 Writes probe.json under --out.
 """
 
@@ -204,6 +205,77 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
     return rows
 
 
+def ab_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> dict:
+    """`ask` itself, alternating the question's prefill without command buffers (`prefill_jit`, as
+    shipped) and with them (`forward_jit`), 8 calls each after a compiling one; each call's stages
+    from host timestamps taken by thin wrappers (`_new_cache`, `_run`, `_first_token` returning)."""
+    import importlib
+
+    mf = importlib.import_module("models.forward")   # `models.forward` the attribute is the function
+    import sqjax.fixed_context as fc
+    from sqjax.fixed_context import FixedContext
+
+    question = ("Which of the measurements in the document above was taken on the largest input, and by how "
+                "much did it beat the baseline?")[: max(1, n_prompt - 2)]
+    marks = []
+    orig_new, orig_run, orig_first = FixedContext._new_cache, FixedContext._run, fc._first_token
+
+    def new_cache(self, *a, **k):
+        out = orig_new(self, *a, **k)
+        marks.append(("new_cache", time.perf_counter()))
+        return out
+
+    def run(self, *a, **k):
+        out = orig_run(self, *a, **k)
+        marks.append(("run", time.perf_counter()))
+        return out
+
+    def first(*a, **k):
+        out = orig_first(*a, **k)
+        marks.append(("first_token", time.perf_counter()))
+        return out
+
+    FixedContext._new_cache, FixedContext._run, fc._first_token = new_cache, run, first
+    prefill_plain = mf.prefill_jit
+    rows = {}
+    try:
+        for name, method, idx in methods:
+            r = rows[name] = {"plain": [], "cmdbuf": []}
+            ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None,
+                               chat=False, suffix_template="\n\n{question}", doc_sha256="random")
+            for variant in ("plain", "cmdbuf"):    # compile both
+                mf.prefill_jit = prefill_plain if variant == "plain" else mf.forward_jit
+                ctx.ask(question, max_new_tokens=n_new)
+            for i in range(16):
+                variant = ("plain", "cmdbuf")[i % 2]
+                mf.prefill_jit = prefill_plain if variant == "plain" else mf.forward_jit
+                marks.clear()
+                t0 = time.perf_counter()
+                a = ctx.ask(question, max_new_tokens=n_new)
+                st = a.stats
+                m = {k: 1e3 * (t - t0) for k, t in marks[:3]}
+                r[variant].append({"ttft_ms": 1e3 * st.time_to_first_token_s,
+                                   "ms_per_token": 1e3 * st.time_per_output_token_s, **m})
+            for variant in ("plain", "cmdbuf"):
+                med = {k: float(np.median([c[k] for c in r[variant]])) for k in r[variant][0]}
+                r[f"{variant}_median"] = med
+                log(f"[ab] {name}, {variant}: median TTFT {med['ttft_ms']:.2f} ms (host marks: new_cache "
+                    f"{med.get('new_cache', 0):.2f}, prefill returned {med.get('run', 0):.2f}, first token dispatched "
+                    f"{med.get('first_token', 0):.2f} ms), {med['ms_per_token']:.2f} ms/token; TTFT calls "
+                    + ", ".join(f"{c['ttft_ms']:.1f}" for c in r[variant]))
+            RESULTS["rows"] = rows
+            _save(log)
+            del ctx
+    finally:
+        FixedContext._new_cache, FixedContext._run, fc._first_token = orig_new, orig_run, orig_first
+        mf.prefill_jit = prefill_plain
+    for v in ("plain", "cmdbuf"):
+        if all(f"{v}_median" in rows.get(n, {}) for n in ("squeezed", "full")):
+            rows[f"ttft_speedup_{v}"] = rows["full"][f"{v}_median"]["ttft_ms"] / rows["squeezed"][f"{v}_median"]["ttft_ms"]
+            log(f"[ab] TTFT full / Squeezed, {v}: {rows[f'ttft_speedup_{v}']:.3f}")
+    return rows
+
+
 def _save(log):
     out = RESULTS.get("_out")
     if out:
@@ -218,8 +290,12 @@ def main() -> int:
     RESULTS["_out"] = out
     RESULTS["meta"] = metadata()
 
+    ab = "--ab" in sys.argv
+    if ab:
+        sys.argv.remove("--ab")
+
     def rows(*a, **k):
-        RESULTS["rows"] = probe_rows(*a, **k)
+        RESULTS["rows"] = (ab_rows if ab else probe_rows)(*a, **k)
         return RESULTS["rows"]
 
     speed._ask_rows = rows
