@@ -1,11 +1,12 @@
 """Diagnostic (GPU): where the host time of a question's prefill goes, and what XLA's command
-buffers do to it when the buffers stay put.
+buffers do to it (the measurements that moved `FixedContext`'s prefills onto command buffers:
+benchmarks/results/gpu_ttft/).
 
 Runs the speed suite's end-to-end set-up (8B-shaped random model, fixed context, Squeezed index;
 `python -m benchmarks.speed --skip offline,kernels --e2e-ask-only`) and, in place of its `ask`
 rows, for Squeezed and for full attention:
-  * the question's prefill as `ask` runs it (`prefill_jit`, no command buffers, fresh cache),
-    synced, median of 5;
+  * the question's prefill through `FixedContext._run`, fresh cache, synced, median of 5, compiled
+    without command buffers (`no_command_buffers`: how `ask` ran it until the change);
   * the same through `forward_jit` (command buffers) (a) on a fresh cache each call, (b) on a
     donated cache chain with the same token / position arrays (stable addresses), (c) on a donated
     cache chain with new token / position arrays each call;
@@ -13,6 +14,7 @@ rows, for Squeezed and for full attention:
     host planes' events by name (what the host spends its time on);
   * `ask`'s time to first token (3 calls after a compiling one).
 With --ab instead: `ask` itself, prefill without / with command buffers alternating (`ab_rows`).
+The two modes ran at commits before the change, where `ask` itself ran its prefill without them.
 Writes probe.json under --out.
 """
 
@@ -35,6 +37,27 @@ from benchmarks._meta import metadata
 from benchmarks._profile import summarize
 
 RESULTS: dict = {}
+_NO_CMDBUF = {"xla_gpu_enable_command_buffer": ""}   # jax.jit compiler_options, per executable
+
+
+class no_command_buffers:
+    """Within the block, forwards of more than one token (prefills) run compiled without XLA's
+    command buffers (`models.forward.forward_jit` patched), one-token steps as usual."""
+
+    def __enter__(self):
+        import importlib
+
+        self.mf = importlib.import_module("models.forward")   # `models.forward` the attribute is the function
+        self.real = real = self.mf.forward_jit
+        if not hasattr(self, "plain"):   # one jitted function: its compilations are kept
+            self.plain = jax.jit(self.mf.forward, static_argnames=("attn_fn", "capture_last", "logits"),
+                                 donate_argnames=("cache",), compiler_options=_NO_CMDBUF)
+        plain = self.plain
+        self.mf.forward_jit = lambda *a, **k: (plain if a[2].shape[1] > 1 else real)(*a, **k)
+        return self
+
+    def __exit__(self, *exc):
+        self.mf.forward_jit = self.real
 
 
 def _trace(run, top: int = 60) -> dict:
@@ -76,6 +99,9 @@ def _trace(run, top: int = 60) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+NO_CMDBUF_PREFILL = no_command_buffers()
+
+
 def speed_derived():
     from benchmarks._profile import _DERIVED
     return _DERIVED
@@ -111,22 +137,24 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
         n_cache = len(padded) + n_new
 
         def plain():
-            return jax.block_until_ready(ctx._run(padded, ctx.n_tokens, ctx._new_cache(n_cache), capture=False,
-                                                  logits="last")[0])
+            with NO_CMDBUF_PREFILL:
+                return jax.block_until_ready(ctx._run(padded, ctx.n_tokens, ctx._new_cache(n_cache), capture=False,
+                                                      logits="last")[0])
 
         def fwd(t, p, cache):
             return forward_jit(model.graphdef, model.state, t, p, cache, attn_fn=ctx._hook, attn_state=ctx._state,
                                capture_last=False, logits="last")
 
         r["plain_ms"], r["plain_calls"] = _median_ms(plain)
-        log(f"[probe] {name}: prefill_jit, fresh cache {r['plain_ms']:.2f} ms {np.round(r['plain_calls'], 2)}")
+        log(f"[probe] {name}: without command buffers, fresh cache {r['plain_ms']:.2f} ms {np.round(r['plain_calls'], 2)}")
 
         def plain_captures():
-            return jax.block_until_ready(ctx._run(padded, ctx.n_tokens, ctx._new_cache(n_cache), capture=None,
-                                                  logits="last")[0])
+            with NO_CMDBUF_PREFILL:
+                return jax.block_until_ready(ctx._run(padded, ctx.n_tokens, ctx._new_cache(n_cache), capture=None,
+                                                      logits="last")[0])
 
         r["plain_captures_ms"], r["plain_captures_calls"] = _median_ms(plain_captures)
-        log(f"[probe] {name}: prefill_jit with captures (as ask), fresh cache {r['plain_captures_ms']:.2f} ms "
+        log(f"[probe] {name}: without command buffers, with captures (as ask), fresh cache {r['plain_captures_ms']:.2f} ms "
             f"{np.round(r['plain_captures_calls'], 2)}")
 
         def ask_path(capture):
@@ -136,7 +164,8 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
             t = [time.perf_counter()]
             cache = ctx._new_cache(n_cache)
             t.append(time.perf_counter())
-            lg, cache, caps = ctx._run(padded[None], ctx.n_tokens, cache, capture=capture, logits="last")
+            with NO_CMDBUF_PREFILL:
+                lg, cache, caps = ctx._run(padded[None], ctx.n_tokens, cache, capture=capture, logits="last")
             t.append(time.perf_counter())
             first = _first_token(lg, jax.random.key(0), jnp.float32(0.0), jnp.float32(1.0), greedy=True,
                                  use_top_p=False)
@@ -206,12 +235,11 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
 
 
 def ab_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> dict:
-    """`ask` itself, alternating the question's prefill without command buffers (`prefill_jit`, as
-    shipped) and with them (`forward_jit`), 8 calls each after a compiling one; each call's stages
+    """`ask` itself, alternating the question's prefill without command buffers (`no_command_buffers`)
+    and with them (`forward_jit`), 8 calls each after a compiling one; each call's stages
     from host timestamps taken by thin wrappers (`_new_cache`, `_run`, `_first_token` returning)."""
-    import importlib
+    import contextlib
 
-    mf = importlib.import_module("models.forward")   # `models.forward` the attribute is the function
     import sqjax.fixed_context as fc
     from sqjax.fixed_context import FixedContext
 
@@ -236,22 +264,22 @@ def ab_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> d
         return out
 
     FixedContext._new_cache, FixedContext._run, fc._first_token = new_cache, run, first
-    prefill_plain = mf.prefill_jit
     rows = {}
     try:
         for name, method, idx in methods:
             r = rows[name] = {"plain": [], "cmdbuf": []}
             ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None,
                                chat=False, suffix_template="\n\n{question}", doc_sha256="random")
+            variants = {"plain": NO_CMDBUF_PREFILL, "cmdbuf": contextlib.nullcontext()}
             for variant in ("plain", "cmdbuf"):    # compile both
-                mf.prefill_jit = prefill_plain if variant == "plain" else mf.forward_jit
-                ctx.ask(question, max_new_tokens=n_new)
+                with variants[variant]:
+                    ctx.ask(question, max_new_tokens=n_new)
             for i in range(16):
                 variant = ("plain", "cmdbuf")[i % 2]
-                mf.prefill_jit = prefill_plain if variant == "plain" else mf.forward_jit
                 marks.clear()
                 t0 = time.perf_counter()
-                a = ctx.ask(question, max_new_tokens=n_new)
+                with variants[variant]:
+                    a = ctx.ask(question, max_new_tokens=n_new)
                 st = a.stats
                 m = {k: 1e3 * (t - t0) for k, t in marks[:3]}
                 r[variant].append({"ttft_ms": 1e3 * st.time_to_first_token_s,
@@ -268,7 +296,6 @@ def ab_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> d
             del ctx
     finally:
         FixedContext._new_cache, FixedContext._run, fc._first_token = orig_new, orig_run, orig_first
-        mf.prefill_jit = prefill_plain
     for v in ("plain", "cmdbuf"):
         if all(f"{v}_median" in rows.get(n, {}) for n in ("squeezed", "full")):
             rows[f"ttft_speedup_{v}"] = rows["full"][f"{v}_median"]["ttft_ms"] / rows["squeezed"][f"{v}_median"]["ttft_ms"]

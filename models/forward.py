@@ -119,16 +119,14 @@ _JIT_ARGS = dict(static_argnames=("attn_fn", "capture_last", "logits"), donate_a
 forward_jit = jax.jit(forward, **_JIT_ARGS)
 forward_jit.__doc__ = "`forward` under jax.jit (attn_fn, capture_last, logits static; cache donated)."
 
-# On GPU, XLA records an executable's kernels into a CUDA graph on its second execution and updates
-# the graph whenever the buffers it runs on change. A question's prefill runs once per question on a
-# fresh cache, so it paid both: on an H200 (8B-shaped model, 128K context, Squeezed) the first question
-# after the compiling one took 44 instead of 29 ms to its first token, and a prefill on a new cache
-# 35 instead of 29 ms (benchmarks/results/gpu_h200_ask/first_call/). Compiled without command
-# buffers it pays neither; the decode steps, which rerun on the same donated buffers, keep them.
-NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}   # jax.jit compiler_options, per executable
-prefill_jit = jax.jit(forward, **_JIT_ARGS, compiler_options=NO_COMMAND_BUFFERS)
-prefill_jit.__doc__ = ("`forward_jit` compiled without XLA's command buffers (CUDA graphs): for a forward that "
-                       "runs once per call on fresh buffers (a question's prefill).")
+# On GPU XLA records an executable's kernels into a CUDA graph (a command buffer), which it updates when
+# the buffers change. A prefill runs once per call on a fresh cache, so an earlier stop compiled
+# prefills without command buffers (an H200 then paid a graph creation / update per question:
+# benchmarks/results/gpu_h200_ask/first_call/). Measured again inside `FixedContext.ask` on an H100 and
+# an H200 (8B-shaped model, 128K context; benchmarks/results/gpu_ttft/): with command buffers the host
+# enqueues Squeezed's ~1780-kernel question prefill in ~6 instead of ~25 ms, no call pays a creation
+# cost, and the time to first token drops from 28.4-28.7 to 21.3-22.7 ms (full attention 26.5-28.6 ->
+# 25.6-27.7). So every forward, prefill and decode step, is `forward_jit`.
 
 
 @partial(jax.jit)

@@ -23,15 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .forward import NO_COMMAND_BUFFERS, forward
+from .forward import forward
 from .kv_cache import KVCache
 
 
 # --------------------------------------------------------------------------- jitted pieces
-# The prompt's prefill runs once per call on a fresh cache: compiled without XLA's command buffers,
-# which would build a CUDA graph on its second run and update it on every new cache (see
-# models.forward.prefill_jit); the decode steps keep them.
-@partial(jax.jit, static_argnames=("attn_fn",), donate_argnames=("cache",), compiler_options=NO_COMMAND_BUFFERS)
+# The prompt's prefill keeps XLA's command buffers, as every forward does (see models.forward).
+@partial(jax.jit, static_argnames=("attn_fn",), donate_argnames=("cache",))
 def prefill(graphdef, state, tokens, positions, cache: KVCache, attn_state=None, *, attn_fn=None):
     """tokens/positions int32 [B, T] -> (float32 logits of the last token [B, V], cache)."""
     logits, cache, _ = forward(

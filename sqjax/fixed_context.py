@@ -326,14 +326,12 @@ class FixedContext:
 
     # ----------------------------------------------------------------------------- running
     def _forward(self, tokens, positions, cache, capture: int | None | bool, logits: str = "all"):
-        """tokens, positions int32 [1, T] (host or device arrays) through the sparse hook. A prefill
-        (T > 1: a question or a text, once per call on a fresh cache) runs without command buffers
-        (`models.forward.prefill_jit`), a one-token step with them."""
-        from models.forward import forward_jit, prefill_jit
+        """tokens, positions int32 [1, T] (host or device arrays) through the sparse hook, one jitted
+        forward (`models.forward.forward_jit`, with XLA's command buffers) for prefills and steps."""
+        from models.forward import forward_jit
 
-        fwd = prefill_jit if tokens.shape[1] > 1 else forward_jit
-        return fwd(self.model.graphdef, self.model.state, tokens, positions, cache, attn_fn=self._hook,
-                   attn_state=self._state, capture_last=capture, logits=logits)
+        return forward_jit(self.model.graphdef, self.model.state, tokens, positions, cache, attn_fn=self._hook,
+                           attn_state=self._state, capture_last=capture, logits=logits)
 
     def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool, logits: str = "all"):
         """Forward `ids` [n] or [B, n] (−1 = left padding) at positions start_pos.. (per row)
