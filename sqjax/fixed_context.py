@@ -245,7 +245,6 @@ class FixedContext:
         # on GPU, Squeezed (1- or 2-level) decodes through the fused kernel over a cluster-contiguous copy
         fused = isinstance(method, Squeezed) and jax.default_backend() == "gpu"
         self._state = attention_state(self.kv.k, self.kv.v, index, clustered_layout=fused)
-        self._spare_cache = None   # the last question's cache, emptied and reused by the next of its shape
 
     @property
     def data(self) -> ContextData:
@@ -340,17 +339,7 @@ class FixedContext:
         return self._forward(*_tokens_positions(ids, start_pos), cache, capture, logits)
 
     def _new_cache(self, n: int, batch: int = 1):
-        return self.model.new_cache(batch, _capacity(n))
-
-    def _question_cache(self, n: int, batch: int = 1):
-        """An empty cache for `ask_many`: the previous question's, if it has this shape, emptied in
-        place (donated: the same device buffers), else a new one. The prefill and the decode steps
-        run with XLA's command buffers (CUDA graphs), which are updated when their buffers move, so
-        the cache stays put from one question to the next (benchmarks/results/gpu_ttft/)."""
-        spare, self._spare_cache = self._spare_cache, None
-        if spare is not None and (spare.batch, spare.capacity) == (batch, _capacity(n)):
-            return _emptied(spare)
-        return self._new_cache(n, batch)
+        return self.model.new_cache(batch, max(_BUCKET, -(-n // 64) * 64))
 
     def _lookup_stats(self, q: jax.Array, q_pre: jax.Array, n_valid: int, q_valid=None) -> list[Selection]:
         """Re-run the method's lookup on captured queries, for accounting only (outside the timed path).
@@ -421,7 +410,7 @@ class FixedContext:
         key = jax.random.key(seed)
 
         t0 = time.perf_counter()
-        cache = self._question_cache(padded_len + max_new_tokens, n_rows)
+        cache = self._new_cache(padded_len + max_new_tokens, n_rows)
         logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None, logits="last")
         first = _first_token(logits, key, jnp.float32(temperature), jnp.float32(top_p),
                              greedy=temperature == 0.0, use_top_p=top_p < 1.0)    # int32 [B]
@@ -478,7 +467,6 @@ class FixedContext:
             if done.all() or nxt_ahead is None:
                 break
             nxt_dev = nxt_ahead
-        self._spare_cache = cache
         answers = []
         for b in range(n_rows):
             # the steps that fed this row's tokens 0 .. n - 2 (the last token's step, if any, is not the answer's)
@@ -688,18 +676,6 @@ def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, tem
     q = jnp.stack([jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")[:qbuf.shape[0]]])
     qbuf = jax.lax.dynamic_update_slice_in_dim(qbuf, q[:, :, None].astype(qbuf.dtype), step[0] - 1, axis=2)
     return nxt[:, None], pos + 1, step + 1, cache, qbuf, nxt
-
-
-def _capacity(n: int) -> int:
-    """Cache slots for n tokens: a multiple of 64, at least _BUCKET (fewer compilations)."""
-    return max(_BUCKET, -(-n // 64) * 64)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _emptied(cache):
-    """The cache with every slot empty (position -1) and no slot used, on the same buffers: the
-    stale keys and values stay, invisible."""
-    return cache.replace(pos=jnp.full_like(cache.pos, -1), length=jnp.zeros_like(cache.length))
 
 
 @functools.partial(jax.jit, static_argnames=("greedy", "use_top_p"))
