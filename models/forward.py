@@ -124,9 +124,10 @@ forward_jit.__doc__ = "`forward` under jax.jit (attn_fn, capture_last, logits st
 # prefills without command buffers (an H200 then paid a graph creation / update per question:
 # benchmarks/results/gpu_h200_ask/first_call/). Measured again inside `FixedContext.ask` on an H100 and
 # an H200 (8B-shaped model, 128K context; benchmarks/results/gpu_ttft/): with command buffers the host
-# enqueues Squeezed's ~1780-kernel question prefill in ~6 instead of ~25 ms, no call pays a creation
-# cost, and the time to first token drops from 28.4-28.7 to 21.3-22.7 ms (full attention 26.5-28.6 ->
-# 25.6-27.7). So every forward, prefill and decode step, is `forward_jit`.
+# enqueues Squeezed's ~1780-kernel question prefill in ~6 instead of ~25 ms, no later call in an `ask`
+# loop pays an update (the allocator hands the same buffers back), and the time to first token drops
+# from 28.4-28.7 to 21.3-22.7 ms (full attention 26.5-28.6 -> 25.6-27.7). The first call after a
+# compile pays the graph's creation once. So every forward, prefill and decode step, is `forward_jit`.
 
 
 @partial(jax.jit)
