@@ -14,7 +14,8 @@ rows, for Squeezed and for full attention:
     host planes' events by name (what the host spends its time on);
   * `ask`'s time to first token (3 calls after a compiling one).
 With --ab instead: `ask` itself, prefill without / with command buffers alternating (`ab_rows`).
-With --ab-cache: `ask` with its empty cache made by its own dispatch or inside the prefill (`ab_cache_rows`).
+(`--ab-cache`, at f1fe363 only: `ask` with its empty cache made by its own dispatch or inside the
+prefill's program; the second is what `ask` does since.)
 The two modes ran at commits before the change, where `ask` itself ran its prefill without them.
 Writes probe.json under --out.
 """
@@ -304,115 +305,6 @@ def ab_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> d
     return rows
 
 
-class _Deferred:
-    """An empty cache not made yet: (batch, capacity) for `inline_cache`."""
-
-    def __init__(self, batch: int, capacity: int):
-        self.batch, self.capacity = batch, capacity
-
-
-def _forward_new_cache(graphdef, state, tokens, positions, *, spec, attn_fn, attn_state, capture_last, logits):
-    """`forward` on an empty cache made inside the same program (spec: num_layers, batch, KV heads,
-    capacity, head dim, dtype name)."""
-    import jax.numpy as jnp
-
-    from models.forward import forward
-    from models.kv_cache import KVCache
-
-    n_layers, batch, hkv, cap, d, dtype = spec
-    shape = (batch, hkv, cap, d)
-    cache = KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-                    v=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-                    pos=jnp.full((batch, cap), -1, jnp.int32), length=jnp.zeros((batch,), jnp.int32))
-    return forward(graphdef, state, tokens, positions, cache, attn_fn=attn_fn, attn_state=attn_state,
-                   capture_last=capture_last, logits=logits)
-
-
-_forward_new_cache_jit = jax.jit(_forward_new_cache, static_argnames=("spec", "attn_fn", "capture_last", "logits"))
-
-
-class inline_cache:
-    """Within the block, `FixedContext._new_cache` makes nothing and the prefill makes its empty
-    cache inside its own program (one dispatch, no cache arguments)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        import importlib
-
-        from sqjax.fixed_context import FixedContext, _BUCKET
-
-        self.mf = importlib.import_module("models.forward")
-        self.fc_cls, self.real_new, self.real_fwd = FixedContext, FixedContext._new_cache, self.mf.forward_jit
-        cfg, dtype = self.model.config, jnp_dtype_name(self.model)
-        real_fwd = self.real_fwd
-
-        def new_cache(ctx, n, batch=1):
-            return _Deferred(batch, max(_BUCKET, -(-n // 64) * 64))
-
-        def fwd(graphdef, state, tokens, positions, cache, **k):
-            if not isinstance(cache, _Deferred):
-                return real_fwd(graphdef, state, tokens, positions, cache, **k)
-            spec = (cfg.num_layers, cache.batch, cfg.num_kv_heads, cache.capacity, cfg.head_dim, dtype)
-            return _forward_new_cache_jit(graphdef, state, tokens, positions, spec=spec, **k)
-
-        FixedContext._new_cache, self.mf.forward_jit = new_cache, fwd
-        return self
-
-    def __exit__(self, *exc):
-        self.fc_cls._new_cache, self.mf.forward_jit = self.real_new, self.real_fwd
-
-
-def jnp_dtype_name(model) -> str:
-    import jax.numpy as jnp
-
-    return jnp.dtype(model.dtype).name
-
-
-def ab_cache_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> dict:
-    """`ask` itself, alternating the empty cache made by its own dispatch (`_new_cache`, as shipped)
-    and made inside the prefill's program (`inline_cache`), 8 calls each after a compiling one."""
-    import contextlib
-
-    from sqjax.fixed_context import FixedContext
-
-    question = ("Which of the measurements in the document above was taken on the largest input, and by how "
-                "much did it beat the baseline?")[: max(1, n_prompt - 2)]
-    rows = {}
-    variants = {"shipped": contextlib.nullcontext, "inline": lambda: inline_cache(model)}
-    for name, method, idx in methods:
-        r = rows[name] = {v: [] for v in variants}
-        ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None,
-                           chat=False, suffix_template="\n\n{question}", doc_sha256="random")
-        for v in variants:    # compile both, and take each one's graph creation
-            for _ in range(2):
-                with variants[v]():
-                    ctx.ask(question, max_new_tokens=n_new)
-        ref = None
-        for i in range(16):
-            v = list(variants)[i % 2]
-            with variants[v]():
-                a = ctx.ask(question, max_new_tokens=n_new)
-            ref = ref or a.token_ids
-            r[v].append({"ttft_ms": 1e3 * a.stats.time_to_first_token_s,
-                         "ms_per_token": 1e3 * a.stats.time_per_output_token_s, "same_tokens": a.token_ids == ref})
-        for v in variants:
-            med = {k: float(np.median([c[k] for c in r[v]])) for k in ("ttft_ms", "ms_per_token")}
-            r[f"{v}_median"] = med
-            log(f"[abc] {name}, {v}: median TTFT {med['ttft_ms']:.2f} ms, {med['ms_per_token']:.2f} ms/token, "
-                f"same tokens {all(c['same_tokens'] for c in r[v])}; TTFT calls "
-                + ", ".join(f"{c['ttft_ms']:.1f}" for c in r[v]))
-        RESULTS["rows"] = rows
-        _save(log)
-        del ctx
-    for v in variants:
-        if all(f"{v}_median" in rows.get(n, {}) for n in ("squeezed", "full")):
-            rows[f"ttft_speedup_{v}"] = rows["full"][f"{v}_median"]["ttft_ms"] / rows["squeezed"][f"{v}_median"]["ttft_ms"]
-            log(f"[abc] TTFT full / Squeezed, {v}: {rows[f'ttft_speedup_{v}']:.3f}")
-    return rows
-
-
 def _save(log):
     out = RESULTS.get("_out")
     if out:
@@ -428,7 +320,7 @@ def main() -> int:
     RESULTS["meta"] = metadata()
 
     mode = probe_rows
-    for flag, fn in (("--ab", ab_rows), ("--ab-cache", ab_cache_rows)):
+    for flag, fn in (("--ab", ab_rows),):
         if flag in sys.argv:
             sys.argv.remove(flag)
             mode = fn

@@ -11,7 +11,7 @@ integration point for sparse attention methods; see `models.forward`.
 
 from .attention import dense_attention
 from .config import Llama3RopeScaling, LlamaConfig
-from .forward import forward, forward_jit, full_logits
+from .forward import forward, forward_jit, forward_new_cache_jit, full_logits
 from .generate import Generation, decode_step, generate, left_pad, prefill, sample_logits
 from .kv_cache import KVCache
 from .llama import Llama
@@ -26,6 +26,7 @@ __all__ = [
     "KVCache",
     "forward",
     "forward_jit",
+    "forward_new_cache_jit",
     "full_logits",
     "dense_attention",
     "prefill",

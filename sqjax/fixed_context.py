@@ -338,8 +338,20 @@ class FixedContext:
         through the sparse hook."""
         return self._forward(*_tokens_positions(ids, start_pos), cache, capture, logits)
 
+    def _run_new_cache(self, ids: np.ndarray, start_pos: int, n: int, capture: int | None | bool,
+                       logits: str = "all"):
+        """`_run` on a new cache for n tokens (`_new_cache`'s), made inside the forward's program
+        (`models.forward.forward_new_cache_jit`: one dispatch fewer before the first token)."""
+        from models.forward import forward_new_cache_jit
+
+        tokens, positions = _tokens_positions(ids, start_pos)
+        return forward_new_cache_jit(self.model.graphdef, self.model.state, tokens, positions,
+                                     config=self.model.config, batch=int(tokens.shape[0]), capacity=_capacity(n),
+                                     dtype=jnp.dtype(self.model.dtype), attn_fn=self._hook, attn_state=self._state,
+                                     capture_last=capture, logits=logits)
+
     def _new_cache(self, n: int, batch: int = 1):
-        return self.model.new_cache(batch, max(_BUCKET, -(-n // 64) * 64))
+        return self.model.new_cache(batch, _capacity(n))
 
     def _lookup_stats(self, q: jax.Array, q_pre: jax.Array, n_valid: int, q_valid=None) -> list[Selection]:
         """Re-run the method's lookup on captured queries, for accounting only (outside the timed path).
@@ -410,8 +422,8 @@ class FixedContext:
         key = jax.random.key(seed)
 
         t0 = time.perf_counter()
-        cache = self._new_cache(padded_len + max_new_tokens, n_rows)
-        logits, cache, caps = self._run(padded, self.n_tokens, cache, capture=None, logits="last")
+        logits, cache, caps = self._run_new_cache(padded, self.n_tokens, padded_len + max_new_tokens, capture=None,
+                                                  logits="last")
         first = _first_token(logits, key, jnp.float32(temperature), jnp.float32(top_p),
                              greedy=temperature == 0.0, use_top_p=top_p < 1.0)    # int32 [B]
         nxt = np.asarray(first)
@@ -517,7 +529,7 @@ class FixedContext:
         if mode == "prefill":
             padded = _left_pad([inp])[0]
             padded_len = len(padded)
-            logits, _, _ = self._run(padded, self.n_tokens, self._new_cache(padded_len), capture=False)
+            logits, _, _ = self._run_new_cache(padded, self.n_tokens, padded_len, capture=False)
             logits = logits[0, padded_len - len(inp):]  # predictions for ids[1:]
         else:
             cache = self._new_cache(max(len(inp), 1))
@@ -676,6 +688,11 @@ def _ask_step(graphdef, state, tok, pos, step, cache, qbuf, attn_state, key, tem
     q = jnp.stack([jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")[:qbuf.shape[0]]])
     qbuf = jax.lax.dynamic_update_slice_in_dim(qbuf, q[:, :, None].astype(qbuf.dtype), step[0] - 1, axis=2)
     return nxt[:, None], pos + 1, step + 1, cache, qbuf, nxt
+
+
+def _capacity(n: int) -> int:
+    """Cache slots for n tokens: a multiple of 64, at least _BUCKET (fewer compilations)."""
+    return max(_BUCKET, -(-n // 64) * 64)
 
 
 @functools.partial(jax.jit, static_argnames=("greedy", "use_top_p"))

@@ -135,36 +135,56 @@ def test_context_holds_the_document_kv_once(model, method, tmp_path, monkeypatch
 
 
 def test_decode_step_compiles_once(model):
-    from models.forward import forward_jit
+    from models.forward import forward_jit, forward_new_cache_jit
 
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
     ctx.ask("Which aisle holds the lamps?", max_new_tokens=3, stop_ids=())
-    before = forward_jit._cache_size(), fc._ask_step._cache_size()
+    sizes = lambda: (forward_jit._cache_size(), forward_new_cache_jit._cache_size(), fc._ask_step._cache_size())  # noqa: E731
+    before = sizes()
     ans = ctx.ask("Which aisle holds a rug?", max_new_tokens=12, stop_ids=())
     assert len(ans.token_ids) == 12
     # same bucket: no new compilation for prefill or decode
-    assert (forward_jit._cache_size(), fc._ask_step._cache_size()) == before
+    assert sizes() == before
 
 
-def test_prefills_and_steps_run_through_forward_jit(model, monkeypatch, rng):
-    """A question's or a text's prefill and the one-token steps all go through `forward_jit`,
-    with XLA's command buffers (the prefills ran without them until measured inside `ask` on an
-    H100 and an H200: benchmarks/results/gpu_ttft/); the knobs that turned them off are gone."""
+def test_prefills_and_steps_run_with_command_buffers(model, monkeypatch, rng):
+    """A question's or a text's prefill (`forward_new_cache_jit`) and the one-token steps
+    (`forward_jit`) all keep XLA's command buffers (the prefills ran without them until measured
+    inside `ask` on an H100 and an H200: benchmarks/results/gpu_ttft/); the knobs that turned them
+    off are gone."""
     import importlib
 
     mf = importlib.import_module("models.forward")   # `models.forward` the attribute is the function
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
     seen = []
-    real = mf.forward_jit
-    monkeypatch.setattr(mf, "forward_jit", lambda *a, **k: seen.append(a[2].shape[1]) or real(*a, **k))
+    for name in ("forward_jit", "forward_new_cache_jit"):
+        real = getattr(mf, name)
+        monkeypatch.setattr(mf, name, lambda *a, _n=name, _r=real, **k: seen.append((_n, a[2].shape[1])) or _r(*a, **k))
     ctx.ask("Which aisle holds the lamps?", max_new_tokens=3, stop_ids=())
     cont = rng.integers(100, 40000, size=9).astype(np.int32)
     ctx.score_ids(cont)
-    assert len(seen) == 2 and all(t > 1 for t in seen)   # the question's prefill, the text's prefill
+    # the question's and the text's prefill make their caches inside their programs
+    assert [n for n, _ in seen] == ["forward_new_cache_jit"] * 2 and all(t > 1 for _, t in seen)
     seen.clear()
     ctx.score_ids(cont[:3], mode="decode")
-    assert seen == [1, 1]
+    assert seen == [("forward_jit", 1)] * 2
     assert not hasattr(mf, "prefill_jit") and not hasattr(mf, "NO_COMMAND_BUFFERS")
+
+
+def test_forward_new_cache_equals_forward_on_an_empty_cache(model, rng):
+    """The prefill that makes its cache inside its program gives the logits, cache and captures of
+    `forward` on `KVCache.init`'s empty cache (left padding included)."""
+    from models.forward import forward_jit, forward_new_cache_jit
+
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8))
+    ids = np.concatenate([np.full(5, -1, np.int32), rng.integers(100, 40000, size=11).astype(np.int32)])
+    tok, pos = fc._tokens_positions(ids, ctx.n_tokens)
+    kw = dict(attn_fn=ctx._hook, attn_state=ctx._state, capture_last=None, logits="last")
+    a = forward_jit(ctx.model.graphdef, ctx.model.state, tok, pos, ctx._new_cache(40), **kw)
+    b = forward_new_cache_jit(ctx.model.graphdef, ctx.model.state, tok, pos, config=ctx.model.config, batch=1,
+                              capacity=ctx._new_cache(40).capacity, dtype=jnp.dtype(ctx.model.dtype), **kw)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _sample(logits, key, temperature: float, top_p: float):
