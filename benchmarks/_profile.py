@@ -12,6 +12,7 @@ xprof needed: the xplane protobuf is parsed by jaxlib itself.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -87,12 +88,10 @@ def _stat(event, key: str):
     return None
 
 
-def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: str = "/device:") -> dict:
-    """Trace ``run()`` and summarize each device plane: {plane name: `summarize` dict}.
-
-    ``run`` must block until its work is done (``jax.block_until_ready``). Planes that hold no
-    kernel events (e.g. on CPU, where XLA runs on host threads) are omitted.
-    """
+@contextlib.contextmanager
+def _traced(run: Callable[[], object]):
+    """Trace ``run()`` and yield the trace read back (`jax.profiler.ProfileData`), or None when no
+    trace was written; the trace's files are removed afterwards."""
     import jax
     from jax.profiler import ProfileData
 
@@ -101,21 +100,60 @@ def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: s
         with jax.profiler.trace(tmp):
             run()
         paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return {}
-        data = ProfileData.from_file(paths[0])
-        out = {}
-        for plane in data.planes:
-            if not plane.name.startswith(plane_prefix):
-                continue
-            events = [(line.name, ev.name, int(ev.start_ns), int(ev.end_ns), _stat(ev, "hlo_op"))
-                      for line in plane.lines if line.name not in _DERIVED
-                      for ev in line.events if ev.end_ns > ev.start_ns]
-            if events:
-                out[plane.name] = summarize(events, top=top)
-        return out
+        yield ProfileData.from_file(paths[0]) if paths else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _device_planes(data, top: int, plane_prefix: str) -> dict:
+    """{plane name: `summarize` dict} for the planes under ``plane_prefix`` that hold kernels."""
+    out = {}
+    for plane in data.planes:
+        if not plane.name.startswith(plane_prefix):
+            continue
+        events = [(line.name, ev.name, int(ev.start_ns), int(ev.end_ns), _stat(ev, "hlo_op"))
+                  for line in plane.lines if line.name not in _DERIVED
+                  for ev in line.events if ev.end_ns > ev.start_ns]
+        if events:
+            out[plane.name] = summarize(events, top=top)
+    return out
+
+
+def _host_lines(data, top: int) -> dict:
+    """{"host plane | line": {n_events, span_ms, by_name}}: what each host thread spent its time on."""
+    out = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/host:"):
+            continue
+        for line in plane.lines:
+            events = [(ev.name, int(ev.start_ns), int(ev.end_ns)) for ev in line.events]
+            if not events:
+                continue
+            groups = defaultdict(list)
+            for name, s, e in events:
+                groups[name[:120]].append(e - s)
+            out[f"{plane.name} | {line.name}"] = {
+                "n_events": len(events), "span_ms": (max(e for _, _, e in events) - min(s for _, s, _ in events)) / 1e6,
+                "by_name": _top(groups, top)}
+    return out
+
+
+def device_activity(run: Callable[[], object], *, top: int = 20, plane_prefix: str = "/device:") -> dict:
+    """Trace ``run()`` and summarize each device plane: {plane name: `summarize` dict}.
+
+    ``run`` must block until its work is done (``jax.block_until_ready``). Planes that hold no
+    kernel events (e.g. on CPU, where XLA runs on host threads) are omitted.
+    """
+    with _traced(run) as data:
+        return {} if data is None else _device_planes(data, top, plane_prefix)
+
+
+def host_and_device_activity(run: Callable[[], object], *, top: int = 20) -> dict:
+    """`device_activity` and, per host thread, its events by name: {"device": {...}, "host": {...}}."""
+    with _traced(run) as data:
+        if data is None:
+            return {"device": {}, "host": {}}
+        return {"device": _device_planes(data, top, "/device:"), "host": _host_lines(data, top)}
 
 
 def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:

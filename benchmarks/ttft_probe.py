@@ -22,21 +22,17 @@ Writes probe.json under --out.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-from collections import defaultdict
 
 import jax
 import numpy as np
 
 from benchmarks import speed
 from benchmarks._meta import metadata
-from benchmarks._profile import summarize
+from benchmarks._profile import host_and_device_activity
 
 RESULTS: dict = {}
 _NO_CMDBUF = {"xla_gpu_enable_command_buffer": ""}   # jax.jit compiler_options, per executable
@@ -62,51 +58,7 @@ class no_command_buffers:
         self.mf.forward_jit = self.real
 
 
-def _trace(run, top: int = 60) -> dict:
-    """Trace run(): per device plane `summarize`, and per host line the events by name."""
-    from jax.profiler import ProfileData
-
-    tmp = tempfile.mkdtemp(prefix="sqjax_probe_")
-    try:
-        with jax.profiler.trace(tmp):
-            run()
-        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        data = ProfileData.from_file(paths[0])
-        out = {"device": {}, "host": {}}
-        for plane in data.planes:
-            if plane.name.startswith("/device:"):
-                ev = [(line.name, e.name, int(e.start_ns), int(e.end_ns), None) for line in plane.lines
-                      if line.name not in speed_derived() for e in line.events if e.end_ns > e.start_ns]
-                if ev:
-                    s = summarize(ev, top=top)
-                    s.pop("by_hlo_op", None)
-                    out["device"][plane.name] = s
-            elif plane.name.startswith("/host:"):
-                for line in plane.lines:
-                    groups = defaultdict(list)
-                    span = [None, None]
-                    for e in line.events:
-                        groups[e.name].append(int(e.end_ns) - int(e.start_ns))
-                        span[0] = int(e.start_ns) if span[0] is None else min(span[0], int(e.start_ns))
-                        span[1] = int(e.end_ns) if span[1] is None else max(span[1], int(e.end_ns))
-                    if not groups:
-                        continue
-                    rows = sorted(({"name": k[:120], "count": len(v), "total_ms": sum(v) / 1e6}
-                                   for k, v in groups.items()), key=lambda r: -r["total_ms"])
-                    out["host"][f"{plane.name} | {line.name}"] = {
-                        "n_events": sum(len(v) for v in groups.values()),
-                        "span_ms": (span[1] - span[0]) / 1e6, "by_name": rows[:top]}
-        return out
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 NO_CMDBUF_PREFILL = no_command_buffers()
-
-
-def speed_derived():
-    from benchmarks._profile import _DERIVED
-    return _DERIVED
 
 
 def _median_ms(f, n: int = 5, warm: int = 2) -> tuple[float, list]:
@@ -212,7 +164,7 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
         _save(log)
         for label, f in (("plain", plain), ("plain_captures", plain_captures), ("ask_path", lambda: ask_path(None))):
             try:
-                tr = _trace(f)
+                tr = host_and_device_activity(f, top=60)
                 r[f"trace_{label}"] = tr
                 dev = next(iter(tr["device"].values()), {})
                 log(f"[probe] {name}: trace {label}: device busy {dev.get('busy_ms', 0):.2f} ms, span "

@@ -115,6 +115,15 @@ def forward(
     return model.logits(model.norm(h)), cache, captures
 
 
+# On GPU XLA records an executable's kernels into a CUDA graph (a command buffer), which it updates when
+# the buffers change. A prefill runs once per call on a fresh cache, so an earlier stop compiled
+# prefills without command buffers (an H200 then paid a graph creation / update per question:
+# benchmarks/results/gpu_h200_ask/first_call/). Measured again inside `FixedContext.ask` on an H100 and
+# an H200 (8B-shaped model, 128K context; benchmarks/results/gpu_ttft/): with command buffers the host
+# enqueues Squeezed's ~1780-kernel question prefill in ~6 instead of ~25 ms, no later call in an `ask`
+# loop pays an update (the allocator hands the same buffers back), and the time to first token drops
+# from 28.4-28.7 to 21.3-22.7 ms (full attention 26.5-28.6 -> 25.6-27.7). The first call after a
+# compile pays the graph's creation once. So no forward here turns command buffers off.
 _JIT_ARGS = dict(static_argnames=("attn_fn", "capture_last", "logits"), donate_argnames=("cache",))
 forward_jit = jax.jit(forward, **_JIT_ARGS)
 forward_jit.__doc__ = "`forward` under jax.jit (attn_fn, capture_last, logits static; cache donated)."
@@ -130,18 +139,8 @@ def forward_new_cache(graphdef, state, tokens, positions, *, config, batch: int,
 
 # A question's prefill started its cache with a dispatch of its own (`KVCache.init`); made inside
 # the prefill's program the first token comes 0.7-0.9 ms sooner on an H100 (benchmarks/results/gpu_ttft/).
-forward_new_cache_jit = jax.jit(forward_new_cache, static_argnames=("attn_fn", "capture_last", "logits", "config",
-                                                                    "batch", "capacity", "dtype"))
-
-# On GPU XLA records an executable's kernels into a CUDA graph (a command buffer), which it updates when
-# the buffers change. A prefill runs once per call on a fresh cache, so an earlier stop compiled
-# prefills without command buffers (an H200 then paid a graph creation / update per question:
-# benchmarks/results/gpu_h200_ask/first_call/). Measured again inside `FixedContext.ask` on an H100 and
-# an H200 (8B-shaped model, 128K context; benchmarks/results/gpu_ttft/): with command buffers the host
-# enqueues Squeezed's ~1780-kernel question prefill in ~6 instead of ~25 ms, no later call in an `ask`
-# loop pays an update (the allocator hands the same buffers back), and the time to first token drops
-# from 28.4-28.7 to 21.3-22.7 ms (full attention 26.5-28.6 -> 25.6-27.7). The first call after a
-# compile pays the graph's creation once. So every forward, prefill and decode step, is `forward_jit`.
+forward_new_cache_jit = jax.jit(forward_new_cache,
+                                static_argnames=_JIT_ARGS["static_argnames"] + ("config", "batch", "capacity", "dtype"))
 
 
 @partial(jax.jit)
