@@ -2,6 +2,7 @@
 
     python -m benchmarks.batch_decode --out DIR [--lengths 131072,524288] [--batches 1,2,4,8]
     python -m benchmarks.batch_decode --cpu-smoke --out DIR      # plumbing (Pallas interpret mode)
+    python -m benchmarks.batch_decode --method hierarchical ...   # the two-level index (1% / 5%)
 
 `FixedContext.ask_many` decodes B questions against one copy of the fixed context; its attention
 hook runs each row on its own, so Squeezed reads each row's selected clusters (and every
@@ -15,6 +16,12 @@ sparsity with 5% centroids (Llama-3-8B attention, bf16, tiled captured keys as i
   `clustered_decode_batched`;
 - ``squeezed_batched``: one `clustered_decode_batched` call (centroids scored once for all rows,
   the union of the rows' clusters streamed once, a bit per row) -- what the hook does on GPU now;
+With ``--method hierarchical`` (a `HierarchicalSqueezed` index, level 1 ruling out ~50% of the
+keys) ``squeezed`` is B calls of `clustered_decode_hierarchical` -- what the hook did for a batch
+before `clustered_decode_hierarchical_batched` (each row in turn through `lax.map`) -- and
+``squeezed_batched`` one `clustered_decode_hierarchical_batched` call (each level's centroids
+read once for all rows, each row its own level-1 survivors, the union streamed once).
+
 - ``dense_rows``: B cuDNN calls over the fixed K/V -- what the hook does for full attention;
 - ``dense_shared``: one cuDNN call with the B rows folded into the query heads -- the best dense
   for a shared document. Both dense variants leave out the rows' 16 new keys (a lower bound on
@@ -48,43 +55,58 @@ N_NEW = 16          # each row's own new keys (question + answer so far)
 N_SETS = 4          # query sets rotated through the timing
 
 
-def _setup(plan, src, length: int, backend: str) -> dict:
-    """Index one fixed context of `length` tokens (1 layer): cluster-sorted K/V, centroids, the
-    decode threshold, and the K/V in cuDNN's [1, L, Hkv, d] layout."""
+def _setup(plan, src, length: int, backend: str, method_name: str = "squeezed") -> dict:
+    """Index one fixed context of `length` tokens (1 layer): cluster-sorted K/V, centroids (and for
+    the hierarchical index the level-1 centroids, counts and parents), the decode thresholds, and
+    the K/V in cuDNN's [1, L, Hkv, d] layout."""
     from pallas_kernels import cluster_sort_layout
     from sqjax import dispatch
-    from sqjax.methods import ContextData, Squeezed
+    from sqjax.methods import ContextData, HierarchicalSqueezed, Squeezed
 
     scale = 1.0 / math.sqrt(plan.d)
     k, v = src.kv(length, seed=length)
     q_obs = src.queries(100, seed=length)[None]
     data = ContextData(k[None], v[None], q_obs, scale=scale)
-    method = Squeezed(sparsity=0.9, n_sink=1, decode_calibration="token")
+    cls = HierarchicalSqueezed if method_name == "hierarchical" else Squeezed
+    method = cls(sparsity=0.9, n_sink=1, decode_calibration="token")
     with dispatch.using(backend):
         index, info = method.build(data)
     li = index.layer(0)
     ks, vs, off, _ = cluster_sort_layout(k, v, li.labels, index.n_sink, index.n_tail, num_clusters=li.counts.shape[-1])
-    t_dec, _ = index.thresholds(1)
+    t_dec, t1 = index.thresholds(1)
     kk, vv = k.swapaxes(0, 1)[None], v.swapaxes(0, 1)[None]          # [1, L, Hkv, d], laid out once
-    return {"ks": ks, "vs": vs, "off": off, "cent": li.centroids.astype(BF16), "t": jnp.float32(t_dec),
-            "kk": kk, "vv": vv, "scale": scale, "vote": method.vote,
-            "decode_kept_calibration": float(np.mean(np.asarray(info["decode_retrieved_fraction"])))}
+    s = {"ks": ks, "vs": vs, "off": off, "cent": li.centroids.astype(BF16), "t": jnp.float32(t_dec),
+         "kk": kk, "vv": vv, "scale": scale, "vote": method.vote, "method": method_name,
+         "decode_kept_calibration": float(np.mean(np.asarray(info["decode_retrieved_fraction"])))}
+    if method_name == "hierarchical":
+        s.update(c1=li.centroids1.astype(BF16), n1=li.counts1, parent=li.parent, t1=jnp.float32(t1))
+    return s
 
 
 def _fns(s: dict, backend: str, impl: str):
-    from pallas_kernels import clustered_decode_attention, clustered_decode_batched
+    from pallas_kernels import (clustered_decode_attention, clustered_decode_batched, clustered_decode_hierarchical,
+                                clustered_decode_hierarchical_batched)
 
     scale, vote = s["scale"], s["vote"]
+    tree = s["method"] == "hierarchical"
+
+    def one_row(q, ks, vs, cent, off, t, kn, vn, qp, kp):
+        if tree:
+            return clustered_decode_hierarchical(q, ks, vs, s["c1"], s["n1"], cent, off, s["parent"], s["t1"], t, kn,
+                                                 vn, qp, kp, scale=scale, vote=vote, backend=backend)
+        return clustered_decode_attention(q, ks, vs, cent, off, t, kn, vn, qp, kp, scale=scale, vote=vote,
+                                          backend=backend)
 
     def squeezed(qb, ks, vs, cent, off, t, kn, vn, qp, kp):   # qb [B, Hq, d]; kn, vn [B, Hkv, S, d]
-        return jnp.stack([clustered_decode_attention(qb[b], ks, vs, cent, off, t, kn[b], vn[b], qp, kp,
-                                                     scale=scale, vote=vote, backend=backend)
-                          for b in range(qb.shape[0])])
+        return jnp.stack([one_row(qb[b], ks, vs, cent, off, t, kn[b], vn[b], qp, kp) for b in range(qb.shape[0])])
 
     def squeezed_batched(qb, ks, vs, cent, off, t, kn, vn, qp, kp):   # one set of launches for all rows
         n_b = qb.shape[0]
-        return clustered_decode_batched(qb, ks, vs, cent, off, t, kn, vn, jnp.broadcast_to(qp, (n_b,)),
-                                        jnp.broadcast_to(kp, (n_b, kp.shape[0])), scale=scale, vote=vote,
+        rows = (jnp.broadcast_to(qp, (n_b,)), jnp.broadcast_to(kp, (n_b, kp.shape[0])))
+        if tree:
+            return clustered_decode_hierarchical_batched(qb, ks, vs, s["c1"], s["n1"], cent, off, s["parent"], s["t1"],
+                                                         t, kn, vn, *rows, scale=scale, vote=vote, backend=backend)
+        return clustered_decode_batched(qb, ks, vs, cent, off, t, kn, vn, *rows, scale=scale, vote=vote,
                                         backend=backend)
 
     def dense_rows(qb, kk, vv):
@@ -102,16 +124,33 @@ def _fns(s: dict, backend: str, impl: str):
     return squeezed, squeezed_batched, dense_rows, dense_shared
 
 
-def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=print, save=None) -> dict:
-    """Every (length, batch) row; `save(result)` after each, so a run cut short keeps what it measured."""
-    from pallas_kernels.clustered_attention import clustered_decode_attention_reference
+def _reference_row(s: dict, q, kn, vn, qp, kp):
+    """One row through the jnp reference: (o [Hq, d], selected [Hs, C] bool, rows read [Hs])."""
+    from pallas_kernels import hierarchical_lookup_reference
+    from pallas_kernels.clustered_attention import (_counts, _rows_of_selection, clustered_decode_attention_reference,
+                                                    clustered_decode_hierarchical_reference)
 
+    if s["method"] != "hierarchical":
+        return clustered_decode_attention_reference(q, s["ks"], s["vs"], s["cent"], s["off"], s["t"], kn, vn, qp, kp,
+                                                    scale=s["scale"], vote=s["vote"], return_stats=True)
+    num_l = s["ks"].shape[1]
+    sel, _, _ = hierarchical_lookup_reference(q, s["c1"], s["n1"], s["cent"], _counts(s["off"], num_l), s["parent"],
+                                              s["t1"], s["t"], scale=s["scale"], vote=s["vote"])
+    o = clustered_decode_hierarchical_reference(q, s["ks"], s["vs"], s["c1"], s["n1"], s["cent"], s["off"],
+                                                s["parent"], s["t1"], s["t"], kn, vn, qp, kp, scale=s["scale"],
+                                                vote=s["vote"])
+    return o, sel, _rows_of_selection(sel, s["off"], num_l)
+
+
+def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=print, save=None,
+        method: str = "squeezed") -> dict:
+    """Every (length, batch) row; `save(result)` after each, so a run cut short keeps what it measured."""
     rows = []
-    res = {"meta": metadata(), "keys": src.kind, "dense_implementation": impl, "backend": backend,
+    res = {"meta": metadata(), "keys": src.kind, "method": method, "dense_implementation": impl, "backend": backend,
            "n_iter": n_iter, "rows": rows}
     for length in lengths:
         t0 = time.perf_counter()
-        s = _setup(plan, src, length, backend)
+        s = _setup(plan, src, length, backend, method)
         log(f"[L={length}] indexed in {time.perf_counter() - t0:.1f}s; decode threshold {float(s['t']):.3g}, "
             f"calibration queries keep {s['decode_kept_calibration']:.3f}")
         squeezed, squeezed_batched, dense_rows, dense_shared = _fns(s, backend, impl)
@@ -137,9 +176,7 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
             row["batched_vs_rows_max_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - got_b.astype(jnp.float32))))
             kept, errs, union = [], [], None
             for r in range(n_b):
-                ref, sel, n_rows = clustered_decode_attention_reference(
-                    q0[r], s["ks"], s["vs"], s["cent"], s["off"], s["t"], kn[r], vn[r], qp, kp, scale=s["scale"],
-                    vote=s["vote"], return_stats=True)
+                ref, sel, n_rows = _reference_row(s, q0[r], kn[r], vn[r], qp, kp)
                 num = jnp.linalg.norm((got[r].astype(jnp.float32) - ref.astype(jnp.float32)).ravel())
                 errs.append(float(num / jnp.linalg.norm(ref.astype(jnp.float32).ravel())))
                 kept.append(float(np.asarray(n_rows).mean() / length))
@@ -178,9 +215,11 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
 
 def to_markdown(res: dict) -> str:
     m = res["meta"]
-    lines = [f"B decode rows over one shared fixed context ({m['device']}, jax {m['jax']}, {m['git_commit'][:12]}; "
+    tree = res.get("method") == "hierarchical"
+    lines = [f"B decode rows over one shared fixed context{', hierarchical index' if tree else ''} ({m['device']}, jax {m['jax']}, {m['git_commit'][:12]}; "
              f"{res['keys']}; dense = `jax.nn.dot_product_attention(implementation={res['dense_implementation']!r})`)", "",
-             "| L | B | kept (mean / union) | Squeezed (B fused calls) | Squeezed batched (one call) | dense, row by row | "
+             f"| L | B | kept (mean / union) | {'hierarchical' if tree else 'Squeezed'} (B fused calls) | "
+             f"{'hierarchical' if tree else 'Squeezed'} batched (one call) | dense, row by row | "
              "dense, rows folded (shared reads) | speed-up vs best dense: row by row / batched | checks |",
              "|---|---|---|---|---|---|---|---|---|"]
 
@@ -210,6 +249,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--keys", default=".scratch/captured/smollm2_qkv.npz")
     ap.add_argument("--n-iter", type=int, default=100)
+    ap.add_argument("--method", choices=("squeezed", "hierarchical"), default="squeezed")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, XLA dense (plumbing)")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
@@ -230,7 +270,8 @@ def main(argv=None) -> int:
         write_json(out / "batch_decode.json", res)
         (out / "batch_decode.md").write_text(to_markdown(res))
 
-    res = run(plan, KeySource(args.keys, plan), lengths, batches, backend, impl, n_iter, save=save)
+    res = run(plan, KeySource(args.keys, plan), lengths, batches, backend, impl, n_iter, save=save,
+              method=args.method)
     print(to_markdown(res))
     return 0 if all(r["ok"] for r in res["rows"]) else 1
 

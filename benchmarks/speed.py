@@ -73,6 +73,7 @@ class Plan:
     e2e_steps: int = 16
     e2e_batches: tuple = (4, 8)   # `ask_many` batch sizes timed in the end-to-end section
     e2e_ask_only: bool = False    # end-to-end section: only `ask` / `ask_many` (no decode-loop variants)
+    e2e_method: str = "squeezed"  # end-to-end section's sparse method: "squeezed" or "hierarchical" (2-level)
     reps: int = 10
     # decode calls per device loop (time_ms_looped): 300, so that the program's own dispatch and final
     # sync, paid once per loop, fall out; at 30 the same kernels came out 6-12 us slower per call on an
@@ -855,7 +856,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     from models.llama import Llama
     from models.rope import config_frequencies
     from sqjax.fixed_context import LayerKV, SparseAttentionHook, attention_state
-    from sqjax.methods import ContextData, Full, Squeezed
+    from sqjax.methods import ContextData, Full, HierarchicalSqueezed, Squeezed
 
     cfg = LlamaConfig(vocab_size=plan.e2e_vocab, hidden_size=plan.e2e_hidden, intermediate_size=plan.e2e_inter,
                       num_layers=plan.e2e_layers, num_heads=plan.hq, num_kv_heads=plan.hkv, head_dim=plan.d,
@@ -900,7 +901,9 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
 
     # a shorter clustering (8 Lloyd iterations instead of 25) keeps this section short;
     # section 1 times the full one
-    method = Squeezed(sparsity=0.9, n_sink=1, kmeans_iters=8)
+    cls = HierarchicalSqueezed if plan.e2e_method == "hierarchical" else Squeezed
+    method = cls(sparsity=0.9, n_sink=1, kmeans_iters=8)
+    out["method"] = plan.e2e_method
     t0 = time.perf_counter()
     with dispatch.using(plan.backend):
         index, info = method.build(data)
@@ -1269,7 +1272,9 @@ def to_markdown(res: dict) -> str:
     e2e = res.get("e2e")
     if e2e and ("squeezed" in e2e or "ask" in e2e):
         md += ["## End to end: Llama-3-8B-shaped model (random bf16 weights), batch 1", "",
-               f"Fixed context {e2e.get('L')} tokens; index: {e2e.get('index_kmeans', 'the offline section’s')}. "
+               f"Fixed context {e2e.get('L')} tokens; sparse method: "
+               f"{'two-level (hierarchical) ' if e2e.get('method') == 'hierarchical' else ''}Squeezed, 90%; "
+               f"index: {e2e.get('index_kmeans', 'the offline section’s')}. "
                "Synced = the host waits for each token before dispatching the next step; pipelined = "
                "each step is dispatched while the previous one runs (the next token stays on the device), "
                "as `models.generate` does; \"dispatch\" = time until the jitted step returns (the host "
@@ -1468,6 +1473,8 @@ def main(argv_or_args=None) -> int:
                     help="fraction of keys level 1 rules out for the hierarchical kernel rows (default 0.5)")
     ap.add_argument("--phases", default="", help="decode,prefill (default both)")
     ap.add_argument("--e2e-batches", default="", help="comma list of ask_many batch sizes (default 4,8; 0 = none)")
+    ap.add_argument("--e2e-method", choices=("squeezed", "hierarchical"), default="squeezed",
+                    help="the end-to-end section's sparse method (hierarchical: the 2-level index)")
     ap.add_argument("--e2e-ask-only", action="store_true",
                     help="end-to-end section: only ask / ask_many (skip the decode-loop variants and probes)")
     ap.add_argument("--merge", default="", help="comma list of --out directories of runs on one commit: write their "
@@ -1496,6 +1503,7 @@ def main(argv_or_args=None) -> int:
         plan = dataclasses.replace(plan, e2e_batches=tuple(int(x) for x in args.e2e_batches.split(",") if int(x) > 0))
     if args.e2e_ask_only:
         plan = dataclasses.replace(plan, e2e_ask_only=True)
+    plan = dataclasses.replace(plan, e2e_method=args.e2e_method)
     if args.shapes:
         plan = dataclasses.replace(plan, shapes=tuple(tuple(map(int, s.split("x"))) for s in args.shapes.split(",")))
     if not args.cpu_smoke and jax.default_backend() != "gpu":

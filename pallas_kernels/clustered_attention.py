@@ -585,28 +585,34 @@ def _attend_merge(p: _Plan, q, k, v, offsets, x, ms, ls, threshold, k_new, v_new
 
 def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_new, v_new, q_pos,
                                 kv_pos_new, *, scale, vote, cfg: ClusteredConfig,
-                                lookup_cfg: CentroidLookupConfig, backend):
+                                lookup_cfg: CentroidLookupConfig, backend, out_dtype=None, n_seg: int = 1):
   """Hierarchical decode in four launches: the level-1 lookup kernel (Eq. 2, raw block
   outputs), the level-2 kernel writing Eq. 3's logits over the candidates (MASK elsewhere) and
   their block statistics in kernel B's layout, kernel B (which reduces those statistics, forms
-  S2, votes and attends to S2 > T2) and the merge.  -> o [Hq, d] in q's dtype."""
+  S2, votes and attends to S2 > T2) and the merge.  -> (o [Hq, d] in out_dtype (default q's),
+  lse [Hq] f32).
+
+  ``n_seg`` > 1 (vote "kv"): the g stacked rows of each KV head are n_seg rows (questions) of
+  g / n_seg heads (`clustered_decode_hierarchical_batched`).  Level 1 then runs with the KV
+  head's g rows as one group -- softmax statistics are per row anyway -- and level 2 with one
+  group per (KV head, row segment), so each segment keeps its own level-1 vote and survivors."""
   hq, d = q.shape
   hkv, num_l, _ = k.shape
   num_c = c2.shape[1]
-  hs = cm.num_selection_heads(hq, hkv, vote)
-  p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg)
+  hs = cm.num_selection_heads(hq, hkv, vote) * (n_seg if vote == "kv" else 1)
+  p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg, n_seg)
   e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
                                     backend=backend)
   raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
   # level-2 counts from the offsets inside the kernel (no launch to form them)
   x, ms, ls, nb = lookup_decode_raw(q, c2, offsets, raw, scale=scale, groups=hs, cfg=lookup_cfg,
                                     backend=backend, logits_cols=p.cx, offsets_l=num_l)
-  # [Hs, r, .] -> [Hkv, g, .]: for vote "q" (Hs = Hq, r = 1) a reshape of contiguous rows
+  # [Hs, r, .] -> [Hkv, g, .]: group s = (KV head, segment) or a query head, in row order
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
   p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)
-  o, _ = _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.asarray(t2, jnp.float32), k_new, v_new, q_pos,
-                       kv_pos_new, scale=scale, cfg=cfg, backend=backend, out_dtype=q.dtype)
-  return o
+  return _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.asarray(t2, jnp.float32), k_new, v_new, q_pos,
+                       kv_pos_new, scale=scale, cfg=cfg, backend=backend,
+                       out_dtype=q.dtype if out_dtype is None else out_dtype)
 
 
 MERGE_COLS = 32   # head-dim columns per merge program
@@ -951,15 +957,28 @@ def clustered_decode_batched(
   if be == "reference":
     return clustered_decode_batched_reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
                                               q_pos, kv_pos_new, scale=scale, vote=vote)
+  def fixed_part(qf, kn, vn, qp, kp, n_seg):
+    o, lse, _, _ = _decode_pallas(qf, k_sorted, v_sorted, centroids, offsets, threshold, kn, vn, qp, kp,
+                                  scale=scale, vote=vote, return_stats=False, reduce_stats=None,
+                                  cfg=config or ClusteredConfig(), backend=be, out_dtype=jnp.float32,
+                                  n_seg=n_seg)
+    return o, lse
+
+  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=k_sorted.shape[0], scale=scale,
+                       vote=vote)
+
+
+def _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, *, hkv, scale, vote):
+  """B rows [B, Hq, d] through one decode call over the shared fixed context: their heads stacked
+  as the rows of their KV head ([Hkv, B, g]), ``fixed_part(qf [Hkv * B * g, d], no new keys...,
+  n_seg)`` -> (o, lse) f32 over the fixed context alone (``n_seg`` = B for vote "kv": each row
+  votes apart), then each row's own new keys attended apart and merged by log-sum-exp."""
   n_rows, hq, d = q.shape
-  hkv = k_sorted.shape[0]
   g = hq // hkv
   qf = q.reshape(n_rows, hkv, g, d).swapaxes(0, 1).reshape(hkv * n_rows * g, d)   # [Hkv, B, g] rows
   none = jnp.zeros((hkv, 0, d), q.dtype)
-  o, lse, _, _ = _decode_pallas(qf, k_sorted, v_sorted, centroids, offsets, threshold, none, none,
-                                jnp.zeros((1,), jnp.int32), jnp.zeros((0,), jnp.int32), scale=scale, vote=vote,
-                                return_stats=False, reduce_stats=None, cfg=config or ClusteredConfig(),
-                                backend=be, out_dtype=jnp.float32, n_seg=n_rows if vote == "kv" else 1)
+  o, lse = fixed_part(qf, none, none, jnp.zeros((1,), jnp.int32), jnp.zeros((0,), jnp.int32),
+                      n_rows if vote == "kv" else 1)
   o = o.reshape(hkv, n_rows, g, d).swapaxes(0, 1).reshape(n_rows, hq, d)
   lse = lse.reshape(hkv, n_rows, g).swapaxes(0, 1).reshape(n_rows, hq)
   if k_new.shape[2]:
@@ -1081,12 +1100,82 @@ def clustered_decode_hierarchical(
                                                    parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new,
                                                    scale=scale, vote=vote)
   _check_vote_q_group(q, k_sorted, vote)
-  return _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
+  o, _ = _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
                                      threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, scale=scale,
                                      vote=vote, cfg=config or ClusteredConfig(),
-                                     # one level-2 block per program: the layout the attention kernel reads
-                                     lookup_cfg=dataclasses.replace(lookup_config or CentroidLookupConfig(),
-                                                                    level2_blocks=1), backend=be)
+                                     lookup_cfg=_level2_one_block(lookup_config), backend=be)
+  return o
+
+
+def _level2_one_block(lookup_config: CentroidLookupConfig | None) -> CentroidLookupConfig:
+  """One level-2 block per program: the layout the attention kernel reads."""
+  return dataclasses.replace(lookup_config or CentroidLookupConfig(), level2_blocks=1)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+def clustered_decode_hierarchical_batched_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2,
+                                                    offsets, parent, threshold1, threshold2, k_new, v_new,
+                                                    q_pos, kv_pos_new, *, scale, vote="kv"):
+  """Plain-jnp ``clustered_decode_hierarchical_batched``: the one-row reference row by row."""
+  def one(qb, kn, vn, qp, kp):
+    return clustered_decode_hierarchical_reference(qb, k_sorted, v_sorted, centroids1, counts1, centroids2,
+                                                   offsets, parent, threshold1, threshold2, kn, vn, qp[None],
+                                                   kp, scale=scale, vote=vote)
+  return jax.vmap(one)(q, k_new, v_new, q_pos, kv_pos_new)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config", "lookup_config"))
+def clustered_decode_hierarchical_batched(
+    q: jax.Array,            # [B, Hq, d]  one token of each of B rows (questions)
+    k_sorted: jax.Array,     # [Hkv, L, d] the ONE shared fixed context, cluster-contiguous (level-2 clusters)
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids1: jax.Array,   # [Hkv, C1, d] level-1 centroids
+    counts1: jax.Array,      # [Hkv, C1] int32
+    centroids2: jax.Array,   # [Hkv, C, d] level-2 centroids
+    offsets: jax.Array,      # [Hkv, C + 1] int32
+    parent: jax.Array,       # [Hkv, C] int32
+    threshold1: jax.Array,   # [] f32 T1
+    threshold2: jax.Array,   # [] f32 T2
+    k_new: jax.Array,        # [B, Hkv, S, d] each row's own new keys (S may be 0)
+    v_new: jax.Array,        # [B, Hkv, S, d]
+    q_pos: jax.Array,        # [B] int32
+    kv_pos_new: jax.Array,   # [B, S] int32 (-1 = empty)
+    *,
+    scale: float,
+    vote: str = "kv",
+    backend: str = "auto",
+    config: ClusteredConfig | None = None,
+    lookup_config: CentroidLookupConfig | None = None,
+):
+  """B rows of hierarchical Squeezed decode (Eq. 2-3) over one shared fixed context in the four
+  launches of ``clustered_decode_hierarchical``: the same result as that function row by row
+  (each row its own level-1 vote and survivors, its own Eq. 3 denominator over its candidates,
+  its own new keys).  The rows' heads are stacked as in ``clustered_decode_batched``: each level's
+  centroids are read once for all rows, and the attention kernel streams the union of the rows'
+  selected clusters once, masked per row.  Row limits: ``check_batched``.  -> o [B, Hq, d]."""
+  hkv = k_sorted.shape[0]
+  num_c = offsets.shape[1] - 1
+  _validate_batched(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new,
+                    vote)
+  if parent.shape != (hkv, num_c):
+    raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
+                     f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
+  _validate_tree(q[0], centroids1, counts1, centroids2, jax.ShapeDtypeStruct((hkv, num_c), jnp.int32), parent,
+                 threshold1, vote, (2,))
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  if be == "reference":
+    return clustered_decode_hierarchical_batched_reference(q, k_sorted, v_sorted, centroids1, counts1,
+                                                           centroids2, offsets, parent, threshold1, threshold2,
+                                                           k_new, v_new, q_pos, kv_pos_new, scale=scale, vote=vote)
+
+  def fixed_part(qf, kn, vn, qp, kp, n_seg):
+    return _decode_hierarchical_pallas(qf, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
+                                       threshold1, threshold2, kn, vn, qp, kp, scale=scale, vote=vote,
+                                       cfg=config or ClusteredConfig(), lookup_cfg=_level2_one_block(lookup_config),
+                                       backend=be, out_dtype=jnp.float32, n_seg=n_seg)
+
+  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=hkv, scale=scale, vote=vote)
 
 
 def _check_vote_q_group(q, k_sorted, vote):

@@ -163,23 +163,34 @@ def dense_attention_batched(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, sc
 
 
 def clustered_decode_batched(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
-                             scale: float, vote: str):
+                             scale: float, vote: str, level1=None, threshold1=0.0):
     """One token of each of B rows over one shared cluster-contiguous fixed context, in one set
     of launches (`pallas_kernels.clustered_decode_batched`: centroids scored once, the union of
-    the rows' clusters streamed once), or None (use the rows one by one) unless the backend is a
-    Pallas one and the batch fits the kernel's vote bits.
+    the rows' clusters streamed once; hierarchical with `level1` = (centroids1, counts1, parent)
+    and `threshold1` = T1: `clustered_decode_hierarchical_batched`, each level's centroids read
+    once), or None (use the rows one by one) unless the backend is a Pallas one and the batch
+    fits the kernel's vote bits.
 
     q [B, Hq, 1, d]; k_new, v_new [B, Hkv, S, d]; q_pos [B, 1]; kv_pos [B, S] -> [B, Hq, 1, d].
     """
     b = resolved()
     if b == "reference":
         return None
-    from pallas_kernels.clustered_attention import check_batched, clustered_decode_batched as kernel
+    from pallas_kernels.clustered_attention import (check_batched, clustered_decode_batched as kernel,
+                                                    clustered_decode_hierarchical_batched as tree_kernel)
 
     if check_batched(q.shape[0], q.shape[1], k_sorted.shape[0], vote) is not None:
         return None
-    o = kernel(q[:, :, 0], k_sorted, v_sorted, centroids.astype(k_sorted.dtype), offsets, threshold, k_new, v_new,
-               q_pos[:, 0], kv_pos, scale=scale, vote=vote, backend=b)
+    dt = k_sorted.dtype  # the index stores centroids in the keys' dtype; no-op then
+    if level1 is None:
+        o = kernel(q[:, :, 0], k_sorted, v_sorted, centroids.astype(dt), offsets, threshold, k_new, v_new,
+                   q_pos[:, 0], kv_pos, scale=scale, vote=vote, backend=b)
+        return o[:, :, None]
+    c1, n1, parent = level1
+    f32 = jnp.float32
+    o = tree_kernel(q[:, :, 0], k_sorted, v_sorted, c1.astype(dt), n1, centroids.astype(dt), offsets, parent,
+                    jnp.asarray(threshold1, f32), jnp.asarray(threshold, f32), k_new, v_new, q_pos[:, 0], kv_pos,
+                    scale=scale, vote=vote, backend=b)
     return o[:, :, None]
 
 

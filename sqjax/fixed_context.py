@@ -87,14 +87,16 @@ class SparseAttentionHook:
                 # (the reference's prefill stays per row: it holds a [Hq, T, L] score array per row)
                 return jnp.swapaxes(dispatch.dense_attention_batched(jnp.swapaxes(q, 1, 2), k_fix, v_fix, cache_k,
                                                                      cache_v, q_pos, kv_pos, scale), 1, 2)
-            if ("clustered" in state and "level1" not in state and q.shape[0] > 1 and q.shape[1] == 1
+            if ("clustered" in state and q.shape[0] > 1 and q.shape[1] == 1
                     and layer >= self.method.dense_layers):
                 # several rows' decode steps over the one fixed context: one set of launches that
                 # scores the centroids once and streams the union of the rows' clusters once
                 ks, vs, off, cent = state["clustered"][layer]
-                t, _ = state["index"].thresholds(1)
+                level1 = state["level1"][layer] if "level1" in state else None  # hierarchical index
+                t, t1 = state["index"].thresholds(1)
                 o = dispatch.clustered_decode_batched(jnp.swapaxes(q, 1, 2), ks, vs, cent, off, t, cache_k, cache_v,
-                                                      q_pos, kv_pos, scale, self.method.vote)
+                                                      q_pos, kv_pos, scale, self.method.vote, level1=level1,
+                                                      threshold1=t1)
                 if o is not None:
                     return jnp.swapaxes(o, 1, 2)                             # [B, 1, Hq, d]
             # rows one after another, not vmap: cuDNN attention's batching rule rejects the masks of the

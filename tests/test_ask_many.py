@@ -114,15 +114,18 @@ def test_batch_benchmark_plumbing(tmp_path):
     assert "| full | 2 × 3 |" in out.with_suffix(".md").read_text()
 
 
-def test_batch_decode_benchmark_plumbing(tmp_path):
-    """`benchmarks.batch_decode --cpu-smoke`: its checks pass (folded dense = row-by-row dense,
-    Squeezed rows = the clustered decode's jnp reference) and it writes JSON + markdown."""
+@pytest.mark.parametrize("method", ["squeezed", "hierarchical"])
+def test_batch_decode_benchmark_plumbing(tmp_path, method):
+    """`benchmarks.batch_decode --cpu-smoke` (one- and two-level index): its checks pass (folded
+    dense = row-by-row dense, Squeezed rows = the clustered decode's jnp reference, the batched call
+    = the rows one by one) and it writes JSON + markdown."""
     import json
 
     from benchmarks import batch_decode
 
-    assert batch_decode.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    assert batch_decode.main(["--cpu-smoke", "--method", method, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "batch_decode.json").read_text())
+    assert res["method"] == method
     assert [(r["L"], r["B"]) for r in res["rows"]] == [(1024, 1), (1024, 2)]
     for r in res["rows"]:
         assert r["ok"] and r["squeezed_loop_ms"] > 0 and r["dense_shared_loop_ms"] > 0 and 0 < r["kept"] < 1
@@ -222,14 +225,21 @@ def test_full_attention_batch_reads_the_context_once(model, monkeypatch):
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
-def test_hierarchical_batch_rows_through_lax_map(model, monkeypatch):
-    """A hierarchical index has no batched kernel: a batch's decode step runs each row's fused
-    hierarchical decode (here interpreted) through `lax.map`, and gives the reference's logits."""
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_hierarchical_batch_rows_through_one_batched_call(model, vote, monkeypatch):
+    """On GPU a hierarchical index's batch decode step goes through
+    `clustered_decode_hierarchical_batched` (one set of launches for every row, each row its own
+    level-1 survivors; here interpreted), once per sparse layer and never row by row, and gives
+    the reference's logits."""
     from sqjax.fixed_context import attention_state
 
-    c = FixedContext.build(model, DOC, HierarchicalSqueezed(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
+    c = FixedContext.build(model, DOC, HierarchicalSqueezed(sparsity=0.8, n_sink=1, vote=vote, capacity_fraction=1.0),
+                           chat=False)
     states = {"reference": c._state, "interpret": attention_state(c.kv.k, c.kv.v, c.index, clustered_layout=True)}
-    logits, calls = _two_row_step_logits(model, c, states, (monkeypatch, "clustered_decode"))
-    # traced once per layer inside lax.map, not once per row (the reference state has no layout)
+    row_calls = []
+    real = fc.dispatch.clustered_decode
+    monkeypatch.setattr(fc.dispatch, "clustered_decode", lambda *a, **k: row_calls.append(1) or real(*a, **k))
+    logits, calls = _two_row_step_logits(model, c, states, (monkeypatch, "clustered_decode_batched"))
     assert calls == ["interpret"] * (model.config.num_layers - HierarchicalSqueezed().dense_layers)
+    assert not row_calls
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)

@@ -763,18 +763,25 @@ def _tree_case(rng, *, hq, hkv, dtype, num_c1=9, d=32):
   return x, meta, tree
 
 
-def _tree_thresholds(x, meta, tree, scale, vote):
-  """(T1, T2) in gaps of the level-1 / level-2 reference scores: rounding flips nothing."""
+def _tree_thresholds(x, meta, tree, scale, vote, qs=None):
+  """(T1, T2) in gaps of the level-1 / level-2 reference scores of the query x["q"] (or of
+  every query in ``qs``): rounding flips nothing."""
   from pallas_kernels.hierarchical_lookup import hierarchical_scores
-  hs = x["q"].shape[0] if vote == "q" else meta["counts"].shape[0]
-  args = (x["q"], tree["c1"], tree["n1"], tree["c2"], jnp.asarray(meta["counts"], jnp.int32), tree["parent"])
-  _, s1, _, _ = hierarchical_scores(*args, jnp.float32(0.0), scale=scale, vote=vote, backend="reference")
+  qs = [x["q"]] if qs is None else qs
+  hs = qs[0].shape[0] if vote == "q" else meta["counts"].shape[0]
+  tree_args = (tree["c1"], tree["n1"], tree["c2"], jnp.asarray(meta["counts"], jnp.int32), tree["parent"])
+
+  def scores(t1):
+    return [hierarchical_scores(q, *tree_args, jnp.float32(t1), scale=scale, vote=vote, backend="reference")
+            for q in qs]
+
   valid1 = np.repeat(f64(tree["n1"]) > 0, hs // meta["counts"].shape[0], axis=0)
-  t1 = pick_threshold(f64(s1), valid1, lo_q=0.2, hi_q=0.6)
-  s2, _, cand, _ = hierarchical_scores(*args, jnp.float32(t1), scale=scale, vote=vote, backend="reference")
-  cand = np.asarray(cand)
-  kw = {"lo_q": 0.6, "hi_q": 0.95} if vote == "q" else {"lo_q": 0.3, "hi_q": 0.8}
-  return t1, pick_threshold(f64(s2), cand, **kw)
+  t1 = pick_threshold(np.concatenate([f64(s[1]) for s in scores(0.0)]), np.concatenate([valid1] * len(qs)),
+                      lo_q=0.2, hi_q=0.6)
+  level2 = scores(t1)
+  kw = {"lo_q": 0.6, "hi_q": 0.95} if vote == "q" or len(qs) > 1 else {"lo_q": 0.3, "hi_q": 0.8}
+  return t1, pick_threshold(np.concatenate([f64(s[0]) for s in level2]),
+                            np.concatenate([np.asarray(s[2]) for s in level2]), **kw)
 
 
 @pytest.mark.parametrize("hq,hkv,vote,dtype", [(8, 2, "kv", jnp.float32), (8, 2, "q", jnp.float32),
@@ -846,6 +853,71 @@ def test_decode_hierarchical_lowers(fake_h100):
 # ----------------------------------------------------------------------------
 # Batched decode: B rows over one shared fixed context.
 # ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype,n_rows", [(8, 2, "kv", jnp.float32, 3), (8, 2, "q", jnp.float32, 2),
+                                                      (3, 3, "kv", jnp.float32, 2), (8, 2, "kv", BF, 2)])
+def test_decode_hierarchical_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows):
+  """B rows of hierarchical decode in one call (interpret mode) == each row's Eq. 2-3 selection
+  (float64 brute force, the row's own level-1 survivors and candidates) attended exactly with its
+  own new keys; the rows no row selects are NaN (never read); == the row-by-row reference."""
+  from pallas_kernels.clustered_attention import (clustered_decode_hierarchical_batched,
+                                                  clustered_decode_hierarchical_batched_reference)
+  from test_kernels_hierarchical_lookup import brute_hierarchical   # tests/ is on sys.path under pytest
+  scale = 32 ** -0.5
+  x, meta, tree = _tree_case(rng, hq=hq, hkv=hkv, dtype=dtype)
+  rows = []
+  for b in range(n_rows):
+    xb, _ = make_case(np.random.default_rng(rng.integers(1 << 30)), hq=hq, hkv=hkv, d=32, dtype=dtype)
+    rows.append(dict(x, q=xb["q"], kn=xb["kn"], vn=xb["vn"], kvp=xb["kvp"], qp=xb["qp"] - b))
+  t1, t2 = _tree_thresholds(x, meta, tree, scale, vote, qs=[r["q"] for r in rows])
+  sels = [brute_hierarchical(f64(r["q"]), f64(tree["c1"]), tree["n1"], f64(tree["c2"]), meta["counts"],
+                             tree["parent"], t1, t2, scale, vote)[0] for r in rows]
+  assert all(sl.any() for sl in sels) and any((a != b).any() for a, b in zip(sels, sels[1:]))
+  union = np.any(np.stack(sels), axis=0)
+  poisoned = poison_unselected(x, meta, union)
+  rows = [dict(r, k=poisoned["k"], v=poisoned["v"]) for r in rows]
+  args = (jnp.stack([r["q"] for r in rows]), poisoned["k"], poisoned["v"], tree["c1"], tree["n1"], tree["c2"],
+          x["offs"], tree["parent"], jnp.float32(t1), jnp.float32(t2), jnp.stack([r["kn"] for r in rows]),
+          jnp.stack([r["vn"] for r in rows]), jnp.concatenate([r["qp"] for r in rows]),
+          jnp.stack([r["kvp"] for r in rows]))
+  out = clustered_decode_hierarchical_batched(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
+                                              lookup_config=CentroidLookupConfig(block_c=16))
+  ref = clustered_decode_hierarchical_batched_reference(*args, scale=scale, vote=vote)
+  assert out.shape == (n_rows, hq, 32) and out.dtype == dtype and not np.isnan(f64(out)).any()
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  for b, (r, sl) in enumerate(zip(rows, sels)):
+    want = brute(r, None, scale, vote, sel=sl)[0][:, 0]
+    assert rel(out[b], want) < tol, b
+    assert rel(ref[b], want) < tol, b
+
+
+def test_decode_hierarchical_batched_validation_and_lowering(rng, fake_h100):
+  """Clear errors for a row count the vote bits cannot hold and for a wrong tree; on an H100 the
+  batch is the one-row call's four launches."""
+  from pallas_kernels.clustered_attention import clustered_decode_hierarchical_batched
+  x, meta, tree = _tree_case(rng, hq=8, hkv=2, dtype=jnp.float32)
+  n = 31
+  args = [jnp.stack([x["q"]] * n), x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
+          jnp.float32(0.1), jnp.float32(0.1), jnp.stack([x["kn"]] * n), jnp.stack([x["vn"]] * n),
+          jnp.concatenate([x["qp"]] * n), jnp.stack([x["kvp"]] * n)]
+  with pytest.raises(ValueError, match="vote='kv' keeps one bit per row: 31 rows > 30; split the batch"):
+    clustered_decode_hierarchical_batched(*args, scale=0.2, backend="interpret")
+  args = [a[:2] if i in (0, 10, 11, 12, 13) else a for i, a in enumerate(args)]
+  bad = list(args)
+  bad[7] = tree["parent"][:, :-1]
+  with pytest.raises(ValueError, match=r"need parent \[Hkv, C\] = \[2, 37\]"):
+    clustered_decode_hierarchical_batched(*bad, scale=0.2, backend="interpret")
+  fake_h100.clear()
+  num_l, num_c, num_c1, num_s, n_rows = 524288, 26214, 5242, 16, 4
+  i32 = jnp.int32
+  _lower(lambda q, k, v, c1, n1, c2, o, par, kn, vn: clustered_decode_hierarchical_batched(
+      q, k, v, c1, n1, c2, o, par, jnp.float32(1e-4), jnp.float32(1e-4), kn, vn, jnp.zeros((n_rows,), i32),
+      jnp.zeros((n_rows, num_s), i32), scale=D ** -0.5, backend="pallas"),
+      sds((n_rows, HQ, D)), sds((HKV, num_l, D)), sds((HKV, num_l, D)), sds((HKV, num_c1, D)),
+      sds((HKV, num_c1), i32), sds((HKV, num_c, D)), sds((HKV, num_c + 1), i32), sds((HKV, num_c), i32),
+      sds((n_rows, HKV, num_s, D)), sds((n_rows, HKV, num_s, D)))
+  assert len(fake_h100) == 4                       # level 1, level 2, attention, merge for all rows
 BATCH_CASES = [  # hq, hkv, vote, dtype, rows
     (8, 2, "kv", jnp.float32, 3),
     (8, 2, "q", jnp.float32, 3),       # 12 query heads per KV head, a bit each
