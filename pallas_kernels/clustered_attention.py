@@ -1088,9 +1088,7 @@ def clustered_decode_hierarchical(
   hkv = k_sorted.shape[0]
   num_c = offsets.shape[1] - 1
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
-  if parent.shape != (hkv, num_c):
-    raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
-                     f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
+  _check_parent(parent, offsets)
   counts2 = jax.ShapeDtypeStruct((hkv, num_c), jnp.int32)   # from the offsets: shapes only, for the shared checks
   _validate_tree(q, centroids1, counts1, centroids2, counts2, parent, threshold1, vote, (2,))
   scale = cm.check_scale(scale)
@@ -1105,6 +1103,13 @@ def clustered_decode_hierarchical(
                                      vote=vote, cfg=config or ClusteredConfig(),
                                      lookup_cfg=_level2_one_block(lookup_config), backend=be)
   return o
+
+
+def _check_parent(parent, offsets):
+  hkv, num_c = offsets.shape[0], offsets.shape[1] - 1
+  if parent.shape != (hkv, num_c):
+    raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
+                     f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
 
 
 def _level2_one_block(lookup_config: CentroidLookupConfig | None) -> CentroidLookupConfig:
@@ -1157,9 +1162,7 @@ def clustered_decode_hierarchical_batched(
   num_c = offsets.shape[1] - 1
   _validate_batched(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new,
                     vote)
-  if parent.shape != (hkv, num_c):
-    raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
-                     f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
+  _check_parent(parent, offsets)
   _validate_tree(q[0], centroids1, counts1, centroids2, jax.ShapeDtypeStruct((hkv, num_c), jnp.int32), parent,
                  threshold1, vote, (2,))
   scale = cm.check_scale(scale)
