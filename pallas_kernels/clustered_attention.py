@@ -77,7 +77,7 @@ from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, cen
                                             centroid_lookup_reference, lookup_decode_raw)
 from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
                                                 hierarchical_lookup_reference)
-from pallas_kernels.sparse_attention import dense_reference, gather_then_dense_attention, merge_lse, sparse_attention
+from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention", "clustered_decode_batched",
            "clustered_decode_batched_reference",
@@ -190,10 +190,11 @@ class _Plan:
   n_ex: int        # exact-part programs per KV head
   vote: str
   n_seg: int = 1   # vote "kv": the g stacked rows are n_seg rows (questions) of g / n_seg heads, each voting alone
+  new_seg: int = 1  # the g stacked rows are new_seg rows (questions), each with its own new keys and position
 
   @property
   def n_prog(self) -> int:
-    return self.n_new + self.n_ex + self.n_cb
+    return self.n_new * self.new_seg + self.n_ex + self.n_cb
 
 
 def _make_plan(hq, hkv, num_l, num_c, num_s, d, vote, cfg: ClusteredConfig, n_seg: int = 1) -> _Plan:
@@ -292,7 +293,7 @@ def _score_kernel(q_ref,      # [Hq, dp]
 
 
 def _attn_kernel(thr_ref,      # [1] f32
-                 qpos_ref,     # [1] int32
+                 qpos_ref,     # [new_seg] int32 (each row segment's position)
                  q_ref,        # [Hq, dp]
                  offs_ref,     # [Hkv * (C + 1)] int32
                  x_ref,        # [Hkv, g, Cx] f32
@@ -300,7 +301,7 @@ def _attn_kernel(thr_ref,      # [1] f32
                  ls_ref,       # [Hkv, g, nSA] f32
                  k_ref,        # [Hkv * L, dp]
                  v_ref,        # [Hkv * L, dp]
-                 *refs,        # (k_new, v_new [Hkv * S, dp], kv_pos [S])?, (sel)?, o, m, l
+                 *refs,        # (k_new, v_new [new_seg * Hkv * S, dp], kv_pos [new_seg * S])?, (sel)?, o, m, l
                  p: _Plan, scale, return_stats):
   refs = list(refs)
   if p.num_s:
@@ -328,30 +329,39 @@ def _attn_kernel(thr_ref,      # [1] f32
            jnp.zeros((p.rp,), jnp.float32))
 
   # --- the new part (user input), causal by position -------------------------------
+  # n_new programs per row segment (new_seg > 1: batched rows, each with its own new keys,
+  # seen by that segment's stacked rows only)
+  n_new_all = p.n_new * p.new_seg
   if p.num_s:
-    is_new = prog < p.n_new
-    new_lo = prog * p.chunk_new
+    is_new = prog < n_new_all
+    seg_n = jnp.where(is_new, cm.kdiv(prog, p.n_new), i32(0)).astype(i32)
+    new_lo = (prog - seg_n * p.n_new) * p.chunk_new
     new_hi = jnp.minimum(new_lo + p.chunk_new, p.num_s)
-    q_pos = qpos_ref[0]
+    if p.new_seg > 1:
+      q_pos = qpos_ref[seg_n]
+      row_new = hv & (hr // (p.g // p.new_seg) == seg_n)                # [rp] this segment's rows
+    else:
+      q_pos = qpos_ref[0]
+      row_new = jnp.ones((p.rp,), bool)
     n_new_tiles = jnp.where(is_new, cm.kcdiv(jnp.maximum(new_hi - new_lo, 0), p.block_k),
                             i32(0)).astype(i32)
 
     def new_body(it, carry):
       j = new_lo + it * p.block_k + jj
       jv = j < new_hi
-      kp = cm.gather_vec(kvpos_ref, j, jv, other=-1)
+      kp = cm.gather_vec(kvpos_ref, seg_n * p.num_s + j, jv, other=-1)
       vis = jv & (kp >= 0) & (kp <= q_pos)
-      rows = kv * p.num_s + j
+      rows = (seg_n * p.hkv + kv) * p.num_s + j
       kt = cm.gather_rows(kn_ref, rows, p.dp, vis)
       vt = cm.gather_rows(vn_ref, rows, p.dp, vis)
-      mask = jnp.broadcast_to(vis[None, :], (p.rp, p.block_k))
+      mask = row_new[:, None] & vis[None, :]
       return core._online_update(carry, q, kt, vt, mask, scale)
 
     carry = lax.fori_loop(i32(0), n_new_tiles, new_body, carry)
 
   # --- fixed context: exact-part programs and cluster programs ----------------------
-  ex_i = prog - p.n_new
-  cl_i = prog - p.n_new - p.n_ex
+  ex_i = prog - n_new_all
+  cl_i = prog - n_new_all - p.n_ex
   is_ex = (ex_i >= 0) & (ex_i < p.n_ex)
   is_cl = cl_i >= 0
   off_c = jnp.clip(offs_ref[kv * (p.num_c + 1) + p.num_c], 0, p.num_l)
@@ -494,19 +504,22 @@ def _score_call(q, centroids, offsets, *, num_l, num_s, scale, vote, cfg: Cluste
 
 def _attend_call(p: _Plan, qf, offs, x, ms, ls, k, v, threshold, k_new, v_new, q_pos,
                  kv_pos_new, *, scale, return_stats, cfg: ClusteredConfig, backend):
-  """Kernel B.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials,
-  sel (int32 [Hkv, Cx] or [Hkv, g, Cx] for vote "q") | None)."""
+  """Kernel B.  k_new, v_new [Hkv, S, d] with q_pos [1], kv_pos_new [S]; or [B, Hkv, S, d] with
+  q_pos [B], kv_pos_new [B, S]: the g stacked rows are B row segments, each seeing its own new
+  keys.  -> (o [Hkv, P, g, dp], m, l [Hkv, P, g] f32 unnormalised partials, sel (int32 [Hkv, Cx]
+  or [Hkv, g, Cx] for vote "q") | None)."""
   hkv, num_l, _ = k.shape
-  num_s = k_new.shape[1]
+  num_s = k_new.shape[-2]
+  p = dataclasses.replace(p, new_seg=k_new.shape[0] if k_new.ndim == 4 else 1)
   dp = p.dp
-  args = [jnp.reshape(threshold, (1,)).astype(jnp.float32), q_pos.astype(jnp.int32), qf, offs,
+  args = [jnp.reshape(threshold, (1,)).astype(jnp.float32), q_pos.reshape(-1).astype(jnp.int32), qf, offs,
           x, ms, ls,
           cm.pad_axis(k, 2, dp).reshape(hkv * num_l, dp),
           cm.pad_axis(v, 2, dp).reshape(hkv * num_l, dp)]
   if num_s:
-    args += [cm.pad_axis(k_new, 2, dp).reshape(hkv * num_s, dp),
-             cm.pad_axis(v_new, 2, dp).reshape(hkv * num_s, dp),
-             kv_pos_new.astype(jnp.int32)]
+    args += [cm.pad_axis(k_new, k_new.ndim - 1, dp).reshape(-1, dp),
+             cm.pad_axis(v_new, v_new.ndim - 1, dp).reshape(-1, dp),
+             kv_pos_new.reshape(-1).astype(jnp.int32)]
   out_shape = []
   if return_stats:
     sel_shape = (hkv, p.g, p.cx) if p.vote == "q" else (hkv, p.cx)
@@ -532,7 +545,7 @@ def _decode_pallas(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, 
   hq, d = q.shape
   num_l = k.shape[1]
   num_c = centroids.shape[1]
-  p, qf, offs, x, ms, ls = _score_call(q, centroids, offsets, num_l=num_l, num_s=k_new.shape[1],
+  p, qf, offs, x, ms, ls = _score_call(q, centroids, offsets, num_l=num_l, num_s=k_new.shape[-2],
                                        scale=scale, vote=vote, cfg=cfg, backend=backend, n_seg=n_seg)
   if reduce_stats is not None or cfg.reduce_stats_first:
     big_m, den = _block_stats_to_head(ms, ls, p.n_a)
@@ -600,7 +613,7 @@ def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_
   hkv, num_l, _ = k.shape
   num_c = c2.shape[1]
   hs = cm.num_selection_heads(hq, hkv, vote) * (n_seg if vote == "kv" else 1)
-  p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[1], d, vote, cfg, n_seg)
+  p = _make_plan(hq, hkv, num_l, num_c, k_new.shape[-2], d, vote, cfg, n_seg)
   e1, m1, l1, _ = lookup_decode_raw(q, c1, n1, None, scale=scale, groups=hkv, cfg=lookup_cfg,
                                     backend=backend)
   raw = Level1Raw(e1, m1, l1, n1, parent, jnp.asarray(t1, jnp.float32))
@@ -883,18 +896,6 @@ def check_batched(n_rows: int, hq: int, hkv: int, vote: str) -> str | None:
   return None
 
 
-def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale):
-  """One token's heads q [Hq, d] over its own new keys [Hkv, S, d] (visible: 0 <= kv_pos <=
-  q_pos; empty slots may hold anything) -> (o [Hq, d] f32, lse [Hq] f32, -inf if none visible)."""
-  hq, d = q.shape
-  hkv = k_new.shape[0]
-  vis = (kv_pos_new >= 0) & (kv_pos_new <= q_pos)                        # [S]
-  live = vis[None, :, None]
-  o, lse = dense_reference(q.reshape(hkv, hq // hkv, 1, d), jnp.where(live, k_new, 0), jnp.where(live, v_new, 0),
-                           jnp.broadcast_to(vis, (hkv, 1, vis.shape[0])), scale=scale)
-  return o.reshape(hq, d), lse.reshape(hq)
-
-
 def _validate_batched(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, vote):
   shapes = cm.shape_str(q=q, k_sorted=k, v_sorted=v, centroids=centroids, offsets=offsets,
                         k_new=k_new, v_new=v_new, q_pos=q_pos, kv_pos_new=kv_pos_new)
@@ -947,9 +948,10 @@ def clustered_decode_batched(
   The B rows' heads are stacked as the rows of their KV head ([Hkv, B, g]); the scoring kernel
   reads each centroid once for all of them, and the attention kernel streams the *union* of the
   rows' selected clusters once, each K/V tile masked per row by a bit per row (vote "kv") or per
-  query head (vote "q"), as vote "q" does for one row. The rows' new keys are attended apart (a
-  small dense step) and merged by log-sum-exp. At most 30 rows (vote "kv") or 30 query heads
-  per KV head (vote "q"): `check_batched`.  -> o [B, Hq, d] in q's dtype.
+  query head (vote "q"), as vote "q" does for one row. Each row's new keys are attended by
+  new-part programs of that row in the same attention kernel (only its rows see them). At most
+  30 rows (vote "kv") or 30 query heads per KV head (vote "q"): `check_batched`.
+  -> o [B, Hq, d] in q's dtype.
   """
   _validate_batched(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, vote)
   scale = cm.check_scale(scale)
@@ -958,33 +960,23 @@ def clustered_decode_batched(
     return clustered_decode_batched_reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
                                               q_pos, kv_pos_new, scale=scale, vote=vote)
   def fixed_part(qf, kn, vn, qp, kp, n_seg):
-    o, lse, _, _ = _decode_pallas(qf, k_sorted, v_sorted, centroids, offsets, threshold, kn, vn, qp, kp,
-                                  scale=scale, vote=vote, return_stats=False, reduce_stats=None,
-                                  cfg=config or ClusteredConfig(), backend=be, out_dtype=jnp.float32,
-                                  n_seg=n_seg)
-    return o, lse
+    return _decode_pallas(qf, k_sorted, v_sorted, centroids, offsets, threshold, kn, vn, qp, kp, scale=scale,
+                          vote=vote, return_stats=False, reduce_stats=None, cfg=config or ClusteredConfig(),
+                          backend=be, out_dtype=q.dtype, n_seg=n_seg)[0]
 
-  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=k_sorted.shape[0], scale=scale,
-                       vote=vote)
+  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=k_sorted.shape[0], vote=vote)
 
 
-def _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, *, hkv, scale, vote):
+def _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, *, hkv, vote):
   """B rows [B, Hq, d] through one decode call over the shared fixed context: their heads stacked
-  as the rows of their KV head ([Hkv, B, g]), ``fixed_part(qf [Hkv * B * g, d], no new keys...,
-  n_seg)`` -> (o, lse) f32 over the fixed context alone (``n_seg`` = B for vote "kv": each row
-  votes apart), then each row's own new keys attended apart and merged by log-sum-exp."""
+  as the rows of their KV head ([Hkv, B, g]); ``fixed_part(qf [Hkv * B * g, d], k_new, v_new
+  [B, Hkv, S, d], q_pos [B], kv_pos_new [B, S], n_seg)`` -> o [Hkv * B * g, d] (``n_seg`` = B for
+  vote "kv": each row votes apart; the attention kernel gives each row segment its own new keys)."""
   n_rows, hq, d = q.shape
   g = hq // hkv
   qf = q.reshape(n_rows, hkv, g, d).swapaxes(0, 1).reshape(hkv * n_rows * g, d)   # [Hkv, B, g] rows
-  none = jnp.zeros((hkv, 0, d), q.dtype)
-  o, lse = fixed_part(qf, none, none, jnp.zeros((1,), jnp.int32), jnp.zeros((0,), jnp.int32),
-                      n_rows if vote == "kv" else 1)
-  o = o.reshape(hkv, n_rows, g, d).swapaxes(0, 1).reshape(n_rows, hq, d)
-  lse = lse.reshape(hkv, n_rows, g).swapaxes(0, 1).reshape(n_rows, hq)
-  if k_new.shape[2]:
-    o2, lse2 = jax.vmap(functools.partial(_new_part, scale=scale))(q, k_new, v_new, q_pos, kv_pos_new)
-    o, _ = merge_lse([(o, lse), (o2, lse2)])
-  return o.astype(q.dtype)
+  o = fixed_part(qf, k_new, v_new, q_pos, kv_pos_new, n_rows if vote == "kv" else 1)
+  return o.reshape(hkv, n_rows, g, d).swapaxes(0, 1).reshape(n_rows, hq, d)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -1176,9 +1168,9 @@ def clustered_decode_hierarchical_batched(
     return _decode_hierarchical_pallas(qf, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
                                        threshold1, threshold2, kn, vn, qp, kp, scale=scale, vote=vote,
                                        cfg=config or ClusteredConfig(), lookup_cfg=_level2_one_block(lookup_config),
-                                       backend=be, out_dtype=jnp.float32, n_seg=n_seg)
+                                       backend=be, out_dtype=q.dtype, n_seg=n_seg)[0]
 
-  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=hkv, scale=scale, vote=vote)
+  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=hkv, vote=vote)
 
 
 def _check_vote_q_group(q, k_sorted, vote):
