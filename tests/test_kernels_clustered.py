@@ -865,16 +865,20 @@ def test_decode_hierarchical_batched_matches_rows(rng, hq, hkv, vote, dtype, n_r
                                                   clustered_decode_hierarchical_batched_reference)
   from test_kernels_hierarchical_lookup import brute_hierarchical   # tests/ is on sys.path under pytest
   scale = 32 ** -0.5
-  x, meta, tree = _tree_case(rng, hq=hq, hkv=hkv, dtype=dtype)
-  rows = []
-  for b in range(n_rows):
-    xb, _ = make_case(np.random.default_rng(rng.integers(1 << 30)), hq=hq, hkv=hkv, d=32, dtype=dtype)
-    rows.append(dict(x, q=xb["q"], kn=xb["kn"], vn=xb["vn"], kvp=xb["kvp"], qp=xb["qp"] - b))
-  t1, t2 = _tree_thresholds(x, meta, tree, scale, vote, qs=[r["q"] for r in rows])
-  sels = [brute_hierarchical(f64(r["q"]), f64(tree["c1"]), tree["n1"], f64(tree["c2"]), meta["counts"],
-                             tree["parent"], t1, t2, scale, vote)[0] for r in rows]
-  # one threshold pair for all rows: a row may select nothing (its exact part and new keys only)
-  assert any(sl.any() for sl in sels) and any((a != b).any() for a, b in zip(sels, sels[1:]))
+  for _ in range(8):   # draws until the rows select differently (one threshold pair serves all rows)
+    x, meta, tree = _tree_case(rng, hq=hq, hkv=hkv, dtype=dtype)
+    rows = []
+    for b in range(n_rows):
+      xb, _ = make_case(np.random.default_rng(rng.integers(1 << 30)), hq=hq, hkv=hkv, d=32, dtype=dtype)
+      rows.append(dict(x, q=xb["q"], kn=xb["kn"], vn=xb["vn"], kvp=xb["kvp"], qp=xb["qp"] - b))
+    t1, t2 = _tree_thresholds(x, meta, tree, scale, vote, qs=[r["q"] for r in rows])
+    sels = [brute_hierarchical(f64(r["q"]), f64(tree["c1"]), tree["n1"], f64(tree["c2"]), meta["counts"],
+                               tree["parent"], t1, t2, scale, vote)[0] for r in rows]
+    # a row may select nothing (its exact part and new keys only)
+    if any(sl.any() for sl in sels) and any((a != b).any() for a, b in zip(sels, sels[1:])):
+      break
+  else:
+    pytest.fail("no draw in 8 gave rows that select differently")
   union = np.any(np.stack(sels), axis=0)
   poisoned = poison_unselected(x, meta, union)
   rows = [dict(r, k=poisoned["k"], v=poisoned["v"]) for r in rows]
