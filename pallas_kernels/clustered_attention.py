@@ -598,12 +598,11 @@ def _attend_merge(p: _Plan, q, k, v, offsets, x, ms, ls, threshold, k_new, v_new
 
 def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_new, v_new, q_pos,
                                 kv_pos_new, *, scale, vote, cfg: ClusteredConfig,
-                                lookup_cfg: CentroidLookupConfig, backend, out_dtype=None, n_seg: int = 1):
+                                lookup_cfg: CentroidLookupConfig, backend, n_seg: int = 1):
   """Hierarchical decode in four launches: the level-1 lookup kernel (Eq. 2, raw block
   outputs), the level-2 kernel writing Eq. 3's logits over the candidates (MASK elsewhere) and
   their block statistics in kernel B's layout, kernel B (which reduces those statistics, forms
-  S2, votes and attends to S2 > T2) and the merge.  -> (o [Hq, d] in out_dtype (default q's),
-  lse [Hq] f32).
+  S2, votes and attends to S2 > T2) and the merge.  -> o [Hq, d] in q's dtype.
 
   ``n_seg`` > 1 (vote "kv"): the g stacked rows of each KV head are n_seg rows (questions) of
   g / n_seg heads (`clustered_decode_hierarchical_batched`).  Level 1 then runs with the KV
@@ -623,9 +622,9 @@ def _decode_hierarchical_pallas(q, k, v, c1, n1, c2, offsets, parent, t1, t2, k_
   # [Hs, r, .] -> [Hkv, g, .]: group s = (KV head, segment) or a query head, in row order
   x, ms, ls = (a.reshape(hkv, p.g, a.shape[-1]) for a in (x, ms, ls))
   p = dataclasses.replace(p, n_sa=ms.shape[-1], n_sv=nb)
-  return _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.asarray(t2, jnp.float32), k_new, v_new, q_pos,
-                       kv_pos_new, scale=scale, cfg=cfg, backend=backend,
-                       out_dtype=q.dtype if out_dtype is None else out_dtype)
+  o, _ = _attend_merge(p, q, k, v, offsets, x, ms, ls, jnp.asarray(t2, jnp.float32), k_new, v_new, q_pos,
+                       kv_pos_new, scale=scale, cfg=cfg, backend=backend, out_dtype=q.dtype)
+  return o
 
 
 MERGE_COLS = 32   # head-dim columns per merge program
@@ -1077,12 +1076,8 @@ def clustered_decode_hierarchical(
   normalises (Eq. 3) and votes itself.  Level-2 counts are taken from ``offsets``.
   ``config`` tiles the attention kernel, ``lookup_config`` the two lookup kernels (with one
   level-2 block per program whatever its ``level2_blocks``).  Returns o [Hq, d] in q's dtype."""
-  hkv = k_sorted.shape[0]
-  num_c = offsets.shape[1] - 1
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 2, vote)
-  _check_parent(parent, offsets)
-  counts2 = jax.ShapeDtypeStruct((hkv, num_c), jnp.int32)   # from the offsets: shapes only, for the shared checks
-  _validate_tree(q, centroids1, counts1, centroids2, counts2, parent, threshold1, vote, (2,))
+  _validate_level1(q, centroids1, counts1, centroids2, offsets, parent, threshold1, vote)
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
@@ -1090,18 +1085,21 @@ def clustered_decode_hierarchical(
                                                    parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new,
                                                    scale=scale, vote=vote)
   _check_vote_q_group(q, k_sorted, vote)
-  o, _ = _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
+  return _decode_hierarchical_pallas(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
                                      threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, scale=scale,
                                      vote=vote, cfg=config or ClusteredConfig(),
                                      lookup_cfg=_level2_one_block(lookup_config), backend=be)
-  return o
 
 
-def _check_parent(parent, offsets):
+def _validate_level1(q, centroids1, counts1, centroids2, offsets, parent, threshold1, vote):
+  """The hierarchical decodes' level-1 inputs for one row's q [Hq, d] (level-2 counts come from
+  the offsets: shapes only for the shared checks)."""
   hkv, num_c = offsets.shape[0], offsets.shape[1] - 1
   if parent.shape != (hkv, num_c):
     raise ValueError(f"need parent [Hkv, C] = [{hkv}, {num_c}] (the level-1 parent of each level-2 cluster, "
                      f"C from offsets [Hkv, C + 1]); got {cm.shape_str(parent=parent, offsets=offsets)}")
+  _validate_tree(q, centroids1, counts1, centroids2, jax.ShapeDtypeStruct((hkv, num_c), jnp.int32), parent,
+                 threshold1, vote, (2,))
 
 
 def _level2_one_block(lookup_config: CentroidLookupConfig | None) -> CentroidLookupConfig:
@@ -1150,13 +1148,9 @@ def clustered_decode_hierarchical_batched(
   its own new keys).  The rows' heads are stacked as in ``clustered_decode_batched``: each level's
   centroids are read once for all rows, and the attention kernel streams the union of the rows'
   selected clusters once, masked per row.  Row limits: ``check_batched``.  -> o [B, Hq, d]."""
-  hkv = k_sorted.shape[0]
-  num_c = offsets.shape[1] - 1
   _validate_batched(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new,
                     vote)
-  _check_parent(parent, offsets)
-  _validate_tree(q[0], centroids1, counts1, centroids2, jax.ShapeDtypeStruct((hkv, num_c), jnp.int32), parent,
-                 threshold1, vote, (2,))
+  _validate_level1(q[0], centroids1, counts1, centroids2, offsets, parent, threshold1, vote)
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
   if be == "reference":
@@ -1168,9 +1162,9 @@ def clustered_decode_hierarchical_batched(
     return _decode_hierarchical_pallas(qf, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent,
                                        threshold1, threshold2, kn, vn, qp, kp, scale=scale, vote=vote,
                                        cfg=config or ClusteredConfig(), lookup_cfg=_level2_one_block(lookup_config),
-                                       backend=be, out_dtype=q.dtype, n_seg=n_seg)[0]
+                                       backend=be, n_seg=n_seg)
 
-  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=hkv, vote=vote)
+  return _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, hkv=k_sorted.shape[0], vote=vote)
 
 
 def _check_vote_q_group(q, k_sorted, vote):
