@@ -21,6 +21,9 @@ keys) ``squeezed`` is B calls of `clustered_decode_hierarchical` -- what the hoo
 before `clustered_decode_hierarchical_batched` (each row in turn through `lax.map`) -- and
 ``squeezed_batched`` one `clustered_decode_hierarchical_batched` call (each level's centroids
 read once for all rows, each row its own level-1 survivors, the union streamed once).
+``--ab-level2-rows N`` adds ``squeezed_batched_ab``: the same batched call with the level-2 kernel's
+``CentroidLookupConfig(level2_rows=N)`` (an A/B of the level-2 program layout in one process;
+N = 1: one program per (KV head, row), the layout before 2026-11-25).
 
 - ``dense_rows``: B cuDNN calls over the fixed K/V -- what the hook does for full attention;
 - ``dense_shared``: one cuDNN call with the B rows folded into the query heads -- the best dense
@@ -83,7 +86,7 @@ def _setup(plan, src, length: int, backend: str, method_name: str = "squeezed") 
     return s
 
 
-def _fns(s: dict, backend: str, impl: str):
+def _fns(s: dict, backend: str, impl: str, lookup_config=None):
     from pallas_kernels import (clustered_decode_attention, clustered_decode_batched, clustered_decode_hierarchical,
                                 clustered_decode_hierarchical_batched)
 
@@ -105,7 +108,8 @@ def _fns(s: dict, backend: str, impl: str):
         rows = (jnp.broadcast_to(qp, (n_b,)), jnp.broadcast_to(kp, (n_b, kp.shape[0])))
         if tree:
             return clustered_decode_hierarchical_batched(qb, ks, vs, s["c1"], s["n1"], cent, off, s["parent"], s["t1"],
-                                                         t, kn, vn, *rows, scale=scale, vote=vote, backend=backend)
+                                                         t, kn, vn, *rows, scale=scale, vote=vote, backend=backend,
+                                                         lookup_config=lookup_config)
         return clustered_decode_batched(qb, ks, vs, cent, off, t, kn, vn, *rows, scale=scale, vote=vote,
                                         backend=backend)
 
@@ -143,17 +147,25 @@ def _reference_row(s: dict, q, kn, vn, qp, kp):
 
 
 def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=print, save=None,
-        method: str = "squeezed") -> dict:
-    """Every (length, batch) row; `save(result)` after each, so a run cut short keeps what it measured."""
+        method: str = "squeezed", ab_level2_rows: int | None = None) -> dict:
+    """Every (length, batch) row; `save(result)` after each, so a run cut short keeps what it measured.
+    ``ab_level2_rows`` (hierarchical): also the batched call with that ``level2_rows`` (``squeezed_batched_ab``)."""
+    from pallas_kernels import CentroidLookupConfig
+
+    if ab_level2_rows is not None and method != "hierarchical":
+        raise ValueError("--ab-level2-rows applies to --method hierarchical")
     rows = []
     res = {"meta": metadata(), "keys": src.kind, "method": method, "dense_implementation": impl, "backend": backend,
-           "n_iter": n_iter, "rows": rows}
+           "n_iter": n_iter, "level2_rows": CentroidLookupConfig().level2_rows, "ab_level2_rows": ab_level2_rows,
+           "rows": rows}
     for length in lengths:
         t0 = time.perf_counter()
         s = _setup(plan, src, length, backend, method)
         log(f"[L={length}] indexed in {time.perf_counter() - t0:.1f}s; decode threshold {float(s['t']):.3g}, "
             f"calibration queries keep {s['decode_kept_calibration']:.3f}")
         squeezed, squeezed_batched, dense_rows, dense_shared = _fns(s, backend, impl)
+        ab = () if ab_level2_rows is None else (
+            ("squeezed_batched_ab", _fns(s, backend, impl, CentroidLookupConfig(level2_rows=ab_level2_rows))[1]),)
         qp = jnp.full((1,), length + N_NEW - 1, jnp.int32)
         kp = (length + jnp.arange(N_NEW)).astype(jnp.int32)
         for n_b in batches:
@@ -174,6 +186,10 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
             got = jax.jit(squeezed)(q0, *sq_fixed)
             got_b = jax.jit(squeezed_batched)(q0, *sq_fixed)
             row["batched_vs_rows_max_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - got_b.astype(jnp.float32))))
+            for name, fn in ab:
+                got_ab = jax.jit(fn)(q0, *sq_fixed)
+                row["batched_vs_rows_max_err"] = max(row["batched_vs_rows_max_err"], float(
+                    jnp.max(jnp.abs(got.astype(jnp.float32) - got_ab.astype(jnp.float32)))))
             kept, errs, union = [], [], None
             for r in range(n_b):
                 ref, sel, n_rows = _reference_row(s, q0[r], kn[r], vn[r], qp, kp)
@@ -191,7 +207,7 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
             row["ok"] = bool(row["dense_shared_vs_rows_max_err"] < 2e-2 and row["squeezed_rel_err_max"] < 2e-2
                              and row["batched_vs_rows_max_err"] < 2e-2)
             for name, fn, fixed in (("squeezed", squeezed, sq_fixed), ("squeezed_batched", squeezed_batched, sq_fixed),
-                                    ("dense_rows", dense_rows, dn_fixed),
+                                    *((n, f, sq_fixed) for n, f in ab), ("dense_rows", dense_rows, dn_fixed),
                                     ("dense_shared", dense_shared, dn_fixed)):
                 row[f"{name}_loop_ms"] = time_ms_looped(fn, qsets, fixed=fixed, n_iter=n_iter, reps=5)
                 call = jax.jit(fn)
@@ -199,16 +215,17 @@ def run(plan, src, lengths, batches, backend: str, impl: str, n_iter: int, log=p
                 row[f"{name}_busy_ms"] = None if kt is None else kt["busy_ms_per_call"]
             for t in ("loop", "busy"):
                 dense = [x for x in (row[f"dense_rows_{t}_ms"], row[f"dense_shared_{t}_ms"]) if x is not None]
-                for name in ("squeezed", "squeezed_batched"):
+                for name in ("squeezed", "squeezed_batched", *(n for n, _ in ab)):
                     own = row[f"{name}_{t}_ms"]
-                    row[f"speedup{'' if name == 'squeezed' else '_batched'}_{t}"] = (
+                    row[f"speedup{name.removeprefix('squeezed')}_{t}"] = (
                         min(dense) / own if dense and own is not None else None)
             rows.append(row)
             if save:
                 save(res)
             log(f"[L={length} B={n_b}] kept {row['kept']:.3f}; loop ms: squeezed {row['squeezed_loop_ms']:.4f}, "
                 f"batched {row['squeezed_batched_loop_ms']:.4f} ({row['speedup_batched_loop']:.2f}x), dense rows {row['dense_rows_loop_ms']:.4f}, dense shared {row['dense_shared_loop_ms']:.4f} -> "
-                f"{row['speedup_loop']:.2f}x; checks {'PASS' if row['ok'] else 'FAIL'}")
+                f"{row['speedup_loop']:.2f}x; checks {'PASS' if row['ok'] else 'FAIL'}"
+                + ("" if not ab else f"; level2_rows={ab_level2_rows}: {row['squeezed_batched_ab_loop_ms']:.4f}"))
         del s
     return res
 
@@ -237,6 +254,14 @@ def to_markdown(res: dict) -> str:
                      f"| {'PASS' if r['ok'] else 'FAIL'} |")
     lines += ["", "ms per decode step for the whole batch: device loop of "
               f"{res['n_iter']} steps (kernel busy time from a profiler trace in brackets)."]
+    ab = res.get("ab_level2_rows")
+    if ab is not None:
+        lines += ["", f"A/B of the level-2 program layout (`CentroidLookupConfig.level2_rows`), batched call, same process:",
+                  "", f"| L | B | level2_rows = {res['level2_rows']} (default) | level2_rows = {ab} | default / A/B |",
+                  "|---|---|---|---|---|"]
+        for r in res["rows"]:
+            lines.append(f"| {r['L']} | {r['B']} | {pair(r, 'squeezed_batched')} | {pair(r, 'squeezed_batched_ab')} | "
+                         f"{r['squeezed_batched_ab_loop_ms'] / r['squeezed_batched_loop_ms']:.2f}× |")
     return "\n".join(lines) + "\n"
 
 
@@ -250,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", default=".scratch/captured/smollm2_qkv.npz")
     ap.add_argument("--n-iter", type=int, default=100)
     ap.add_argument("--method", choices=("squeezed", "hierarchical"), default="squeezed")
+    ap.add_argument("--ab-level2-rows", type=int, default=None,
+                    help="hierarchical: also time the batched call with CentroidLookupConfig(level2_rows=N)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, XLA dense (plumbing)")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
@@ -271,7 +298,7 @@ def main(argv=None) -> int:
         (out / "batch_decode.md").write_text(to_markdown(res))
 
     res = run(plan, KeySource(args.keys, plan), lengths, batches, backend, impl, n_iter, save=save,
-              method=args.method)
+              method=args.method, ab_level2_rows=args.ab_level2_rows)
     print(to_markdown(res))
     return 0 if all(r["ok"] for r in res["rows"]) else 1
 

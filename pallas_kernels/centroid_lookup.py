@@ -87,6 +87,11 @@ class CentroidLookupConfig:
     (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
     slower on an H200 at 512K (benchmarks/results/gpu_h200_hierarchical/decode_sweep_1f0414e);
     kept for sweeps on other GPUs.
+  level2_rows: the most query rows one program of the hierarchical attention decode's level-2
+    kernel takes when a KV head's rows vote in several segments (a batch of questions, or
+    vote "q"): whole segments share a program, so each level-2 block is read once for all of
+    them and the programs are that many times fewer; each row keeps its own segment's
+    survivors.  1 = one segment per program (the layout before 2026-11-25).
   """
   block_c: int = 128
   block_t: int = 64
@@ -98,6 +103,7 @@ class CentroidLookupConfig:
   score_warps: int | None = None
   level2_blocks: int = 1
   level2_unroll: bool = False
+  level2_rows: int = 32
   score_splits: int | None = None
   stats_splits: int | None = None
   prefill_engine: str = "triton"
@@ -122,6 +128,8 @@ class CentroidLookupConfig:
         raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
       raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
+    if not isinstance(self.level2_rows, int) or self.level2_rows < 1:
+      raise ValueError(f"level2_rows must be a positive int, got {self.level2_rows!r}")
 
 
 _LOG2E = 1.4426950408889634
@@ -165,13 +173,13 @@ def _load_centroid_block(c_ref, n_ref, *, kv, j, num_c, d, live=None, offsets_l=
   return valid, cnt.astype(jnp.float32), c
 
 
-def _level1_stats(refs, *, kv, h0, group, r, nb1, nb1p):
+def _level1_stats(refs, *, kv, h0, group, r, nb1, nb1p, r2=None):
   """Each head's level-1 softmax statistics from the level-1 decode kernel's block
   outputs: M = max_b m_b, 1 / D with D = sum_b l_b exp(m_b - M).  The group's query
-  heads are h0 .. h0 + r - 1; tiles are [next_pow2(r), ...] (no dot here, no padding
-  to 16).  Returns (row in the level-1 group [r2], real head [r2], M [r2], 1/D [r2])."""
+  heads are h0 .. h0 + r - 1; tiles are [r2, ...] (default next_pow2(r): no dot here, no
+  padding to 16).  Returns (row in the level-1 group [r2], real head [r2], M [r2], 1/D [r2])."""
   _, _, _, m1_ref, l1_ref, _ = refs
-  hr = jnp.arange(cm.next_pow2(r), dtype=jnp.int32)
+  hr = jnp.arange(r2 or cm.next_pow2(r), dtype=jnp.int32)
   hv = hr < r
   row1 = cm.krem(h0 + hr, group)
   b1 = jnp.arange(nb1p, dtype=jnp.int32)
@@ -184,9 +192,11 @@ def _level1_stats(refs, *, kv, h0, group, r, nb1, nb1p):
   return row1, hv, mx, jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
 
 
-def _level2_live(refs, stats, *, kv, j, num_c, num_p, group, r, nb1, bc1):
+def _level2_live(refs, stats, *, kv, j, num_c, num_p, group, r, nb1, bc1, seg_rows=None):
   """Level-2 rows ``j`` whose parent survives level 1 (Eq. 2 with the group vote:
   S1 = mean over the group's heads of e1 exp(m1_b - M) / D; kept: N1 > 0, S1 >= T1).
+  -> [Bc] bool.  ``seg_rows``: the program's r rows vote in segments of that many
+  consecutive rows, each its own S1 -> [r2, Bc] bool, each row its segment's survivors.
 
   refs = (parent [Hkv * C2], n1 [Hkv * C1], e1 [Hkv * nB1 * g * Bc1], m1, l1
   [Hkv * nB1 * g], t1 [1]): the level-1 kernel's raw outputs, read from L2.
@@ -202,9 +212,21 @@ def _level2_live(refs, stats, *, kv, j, num_c, num_p, group, r, nb1, bc1):
   e1 = plgpu.load(e1_ref.at[blk * bc1 + cm.krem(pc, bc1)[None, :]], mask=em, other=0.0)
   mb = plgpu.load(m1_ref.at[blk], mask=em, other=0.0)
   w = jnp.where(em, jnp.exp(mb - mx[:, None]) * inv[:, None], 0.0)  # padding rows: M = MASK
-  s1 = jnp.sum(e1 * w, axis=0) * (1.0 / r)                      # [Bc]
   n1 = cm.gather_vec(n1_ref, kv * num_p + pc, pv, other=0)
-  return pv & (n1 > 0) & (s1 >= t1_ref[0])
+  ok = pv & (n1 > 0)                                              # [Bc]
+  if seg_rows is None:
+    s1 = jnp.sum(e1 * w, axis=0) * (1.0 / r)                      # [Bc]
+    return ok & (s1 >= t1_ref[0])
+  ew = e1 * w                                                     # [r2, Bc] each row's S1 term
+  if seg_rows == 1:                                               # vote "q": every row alone
+    return em & ok[None, :] & (ew >= t1_ref[0])
+  seg = cm.kdiv(jnp.arange(ew.shape[0], dtype=jnp.int32), seg_rows)
+  live = jnp.zeros(ew.shape, jnp.bool_)
+  for k in range(r // seg_rows):                                  # static: a few segments
+    ins = seg == k
+    s1 = jnp.sum(jnp.where(ins[:, None], ew, 0.0), axis=0) * (1.0 / seg_rows)   # [Bc]
+    live = jnp.where(ins[:, None], (ok & (s1 >= t1_ref[0]))[None, :], live)
+  return live & hv[:, None]
 
 
 def _decode_kernel(q_ref,      # [Hq, d]
@@ -212,14 +234,16 @@ def _decode_kernel(q_ref,      # [Hq, d]
                    n_ref,      # [Hkv * C] int32
                    *refs,      # (the six Level1Raw inputs)?, e, m, l (, live [G, nB * Bc])
                    scale, num_c, group, r, rp, block_c, d, level1=None, blocks=1, unroll=False,
-                   logits=False, offsets_l=None):
+                   logits=False, offsets_l=None, seg_rows=None):
   """One program per (group, ``blocks`` centroid blocks).  ``level1`` = (nB1, nB1p, Bc1,
   C1): level 2 of a hierarchical lookup; rows are live only where their parent survives
   (computed here from the level-1 kernel's raw outputs) and the live rows are
   reported.  ``blocks`` > 1: a loop (``unroll``: written out) over that many blocks.
   ``logits``: write the scaled logits (MASK off the live rows) as x [G, R, Cx] and the block
   statistics as m, l [G, R, nBp] -- the layout the clustered attention kernel reads -- instead
-  of e, m, l [G, nB, R, ...] and the live rows."""
+  of e, m, l [G, nB, R, ...] and the live rows.  ``seg_rows`` (level 2 with ``logits``): the
+  program's r rows are segments of that many rows voting apart (``_level2_live``); a block's rows
+  live for any segment are loaded once and each query row's logits are MASK off its own."""
   grp = pl.program_id(0)
   pb = pl.program_id(1)
   kv = cm.kdiv(grp * r, group)
@@ -230,22 +254,26 @@ def _decode_kernel(q_ref,      # [Hq, d]
     nb1, nb1p, bc1, num_p = level1
     e_ref, m_ref, l_ref = refs[6:9]
     live_ref = None if logits else refs[9]
-    stats = _level1_stats(refs[:6], kv=kv, h0=grp * r, group=group, r=r, nb1=nb1, nb1p=nb1p)
+    stats = _level1_stats(refs[:6], kv=kv, h0=grp * r, group=group, r=r, nb1=nb1, nb1p=nb1p,
+                          r2=rp if seg_rows is not None else None)
   else:
     (e_ref, m_ref, l_ref), live_ref = refs, None
 
   def one(cb):
     j = cb * block_c + jnp.arange(block_c, dtype=jnp.int32)
-    live = None
+    live = rows_live = None
     if level1 is not None:
       live = _level2_live(refs[:6], stats, kv=kv, j=j, num_c=num_c, num_p=num_p, group=group, r=r,
-                          nb1=nb1, bc1=bc1)
+                          nb1=nb1, bc1=bc1, seg_rows=seg_rows)
+      if seg_rows is not None:                                    # [rp, Bc]: the union is loaded
+        rows_live, live = live, jnp.max(live.astype(jnp.int32), axis=0) > 0
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d, live=live,
                                          offsets_l=offsets_l)
+    vm = valid[None, :] if rows_live is None else rows_live & valid[None, :]   # [rp | 1, Bc]
     s = plgpu.dot(q, c, trans_b=True) * scale                     # [rp, Bc] f32
-    s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
+    s = jnp.where(vm, s, cm.MASK_VALUE)
     m = jnp.max(s, axis=1)                                        # [rp]
-    e = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)   # [rp, Bc]
+    e = jnp.where(vm, jnp.exp(s - m[:, None]), 0.0)               # [rp, Bc]
     l = jnp.sum(e * cnt[None, :], axis=1)                         # [rp]
     # Only the r real query rows are stored (outputs are [G, nB, r, ...], or [G, r, ...]).
     if logits:
@@ -406,7 +434,9 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
 
   ``logits_cols`` (level 2 only): instead, (x [G, R, >= logits_cols] scaled logits, MASK off the
   live rows, m, l [G, R, nBp] block statistics, nB): the inputs of the clustered attention
-  kernel, which then forms Eq. 3 and votes itself.  ``offsets_l`` = L: ``counts`` is a
+  kernel, which then forms Eq. 3 and votes itself.  Here the rows of ``cfg.level2_rows // R``
+  groups of one KV head may share a program (the groups' row order kept: reshape the outputs
+  to [Hkv, Hq / Hkv, ...]).  ``offsets_l`` = L: ``counts`` is a
   cluster-contiguous layout's offsets [Hkv, C + 1] (rows in [0, L)), the counts their differences."""
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
@@ -423,6 +453,14 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   logits = logits_cols is not None
   if logits and (level1 is None or blocks != 1):
     raise ValueError("logits_cols is for level 2 with one block per program")
+  seg_rows = None
+  if logits and r < hq // hkv and cfg.level2_rows > r:
+    # whole vote segments of a KV head's rows share a program (each its own survivors)
+    per_kv = hq // hkv // r                                     # segments per KV head
+    k = max(u for u in range(1, per_kv + 1) if per_kv % u == 0 and u * r <= cfg.level2_rows)
+    if k > 1:
+      seg_rows, r, groups = r, r * k, groups // k
+      rp = max(16, cm.next_pow2(r))
   nbp = max(16, cm.next_pow2(nb))
   outs = [
       jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
@@ -444,7 +482,7 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   kernel = functools.partial(
       _decode_kernel, scale=scale, num_c=num_c, group=hq // hkv, r=r, rp=rp,
       block_c=block_c, d=dp, level1=lv, blocks=blocks, unroll=cfg.level2_unroll, logits=logits,
-      offsets_l=offsets_l)
+      offsets_l=offsets_l, seg_rows=seg_rows)
   res = pallas_call(
       kernel, backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(groups, nb // blocks), out_shape=outs,

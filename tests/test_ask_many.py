@@ -118,18 +118,22 @@ def test_batch_benchmark_plumbing(tmp_path):
 def test_batch_decode_benchmark_plumbing(tmp_path, method):
     """`benchmarks.batch_decode --cpu-smoke` (one- and two-level index): its checks pass (folded
     dense = row-by-row dense, Squeezed rows = the clustered decode's jnp reference, the batched call
-    = the rows one by one) and it writes JSON + markdown."""
+    = the rows one by one) and it writes JSON + markdown; the two-level run also times (and checks)
+    the batched call with one level-2 program per (KV head, row) beside the default layout."""
     import json
 
     from benchmarks import batch_decode
 
-    assert batch_decode.main(["--cpu-smoke", "--method", method, "--out", str(tmp_path)]) == 0
+    ab = ["--ab-level2-rows", "1"] if method == "hierarchical" else []
+    assert batch_decode.main(["--cpu-smoke", "--method", method, "--out", str(tmp_path), *ab]) == 0
     res = json.loads((tmp_path / "batch_decode.json").read_text())
-    assert res["method"] == method
+    assert res["method"] == method and res["ab_level2_rows"] == (1 if ab else None)
     assert [(r["L"], r["B"]) for r in res["rows"]] == [(1024, 1), (1024, 2)]
     for r in res["rows"]:
         assert r["ok"] and r["squeezed_loop_ms"] > 0 and r["dense_shared_loop_ms"] > 0 and 0 < r["kept"] < 1
-    assert "| 1024 | 2 |" in (tmp_path / "batch_decode.md").read_text()
+        assert (r.get("squeezed_batched_ab_loop_ms", 0) > 0) == bool(ab)
+    md = (tmp_path / "batch_decode.md").read_text()
+    assert "| 1024 | 2 |" in md and ("level2_rows = 1 |" in md) == bool(ab)
 
 
 def _two_row_step_logits(model, c, states, patch=None):

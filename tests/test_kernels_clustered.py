@@ -816,6 +816,44 @@ def test_decode_hierarchical_matches_lookup_then_selected(rng, hq, hkv, vote, dt
   assert not np.isnan(f64(none)).any() and rel(none, o0[:, 0]) < tol
 
 
+@pytest.mark.parametrize("vote,n_rows", [("q", 1), ("kv", 3), ("q", 2)])
+def test_level2_rows_share_programs_same_logits(rng, vote, n_rows):
+  """The level-2 logits kernel with a KV head's vote segments sharing programs (``level2_rows``)
+  writes the same per-row logits (MASK off each row's own survivors) and block statistics as one
+  program per segment, in fewer, wider programs; the segments' survivors differ."""
+  from pallas_kernels.centroid_lookup import Level1Raw, lookup_decode_raw
+  scale = 32 ** -0.5
+  hs = 8 * n_rows if vote == "q" else 2 * n_rows
+
+  def level2(l2_rows):
+    res = lookup_decode_raw(qf, tree["c2"], x["offs"], raw, scale=scale, groups=hs, backend="interpret",
+                            cfg=CentroidLookupConfig(block_c=16, level2_rows=l2_rows), logits_cols=1,
+                            offsets_l=x["k"].shape[1])
+    return [np.asarray(a).reshape(2, 4 * n_rows, -1) for a in res[:3]], res[0].shape[0]
+
+  for _ in range(8):   # draws until the segments' survivors differ (the test's power)
+    x, meta, tree = _tree_case(rng, hq=8, hkv=2, dtype=jnp.float32)
+    qs = [x["q"]] + [make_case(np.random.default_rng(rng.integers(1 << 30)), hq=8, hkv=2, d=32,
+                               dtype=jnp.float32)[0]["q"] for _ in range(n_rows - 1)]
+    t1, _ = _tree_thresholds(x, meta, tree, scale, vote, qs=qs)
+    qf = jnp.stack(qs).reshape(n_rows, 2, 4, 32).swapaxes(0, 1).reshape(8 * n_rows, 32)   # [Hkv, B, g]
+    e1, m1, l1, _ = lookup_decode_raw(qf, tree["c1"], tree["n1"], None, scale=scale, groups=2,
+                                      cfg=CentroidLookupConfig(block_c=16), backend="interpret")
+    raw = Level1Raw(e1, m1, l1, tree["n1"], tree["parent"], jnp.float32(t1))
+    (x1, m1_, l1_), g1 = level2(1)
+    live = x1 > -1e29
+    if live.any() and (live[:, :, None, :] != live[:, None, :, :]).any():
+      break
+  else:
+    pytest.fail("no draw in 8 gave segments with different survivors")
+  (x32, m32, l32), g32 = level2(32)
+  assert g1 == hs and g32 == 2                                   # one level-2 program group per KV head
+  assert (live == (x32 > -1e29)).all() and not live.all()
+  np.testing.assert_allclose(x32[live], x1[live], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(m32, m1_, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(l32, l1_, rtol=1e-6, atol=1e-6)
+
+
 def test_decode_hierarchical_validation(rng):
   from pallas_kernels.clustered_attention import clustered_decode_hierarchical
   x, meta, tree = _tree_case(rng, hq=4, hkv=2, dtype=jnp.float32)
@@ -855,12 +893,18 @@ def test_decode_hierarchical_lowers(fake_h100):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hq,hkv,vote,dtype,n_rows", [(8, 2, "kv", jnp.float32, 3), (8, 2, "q", jnp.float32, 2),
-                                                      (3, 3, "kv", jnp.float32, 2), (8, 2, "kv", BF, 2)])
-def test_decode_hierarchical_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows):
+@pytest.mark.parametrize("hq,hkv,vote,dtype,n_rows,l2_rows", [
+    (8, 2, "kv", jnp.float32, 3, 32),   # the 3 rows' 12 heads in one level-2 program per KV head
+    (8, 2, "q", jnp.float32, 2, 32),    # 8 rows each voting alone, one program
+    (8, 2, "q", jnp.float32, 2, 1),     # ... one program per row (the layout before 2026-11-25)
+    (8, 2, "kv", jnp.float32, 4, 8),    # two programs per KV head, two rows (8 heads) each
+    (8, 2, "kv", jnp.float32, 3, 1),    # one program per (KV head, row)
+    (3, 3, "kv", jnp.float32, 2, 32), (8, 2, "kv", BF, 2, 32)])
+def test_decode_hierarchical_batched_matches_rows(rng, hq, hkv, vote, dtype, n_rows, l2_rows):
   """B rows of hierarchical decode in one call (interpret mode) == each row's Eq. 2-3 selection
   (float64 brute force, the row's own level-1 survivors and candidates) attended exactly with its
-  own new keys; the rows no row selects are NaN (never read); == the row-by-row reference."""
+  own new keys; the rows no row selects are NaN (never read); == the row-by-row reference.
+  ``l2_rows``: how many of a KV head's stacked rows (whole vote segments) share a level-2 program."""
   from pallas_kernels.clustered_attention import (clustered_decode_hierarchical_batched,
                                                   clustered_decode_hierarchical_batched_reference)
   from test_kernels_hierarchical_lookup import brute_hierarchical   # tests/ is on sys.path under pytest
@@ -887,7 +931,7 @@ def test_decode_hierarchical_batched_matches_rows(rng, hq, hkv, vote, dtype, n_r
           jnp.stack([r["vn"] for r in rows]), jnp.concatenate([r["qp"] for r in rows]),
           jnp.stack([r["kvp"] for r in rows]))
   out = clustered_decode_hierarchical_batched(*args, scale=scale, vote=vote, backend="interpret", config=SMALL,
-                                              lookup_config=CentroidLookupConfig(block_c=16))
+                                              lookup_config=CentroidLookupConfig(block_c=16, level2_rows=l2_rows))
   ref = clustered_decode_hierarchical_batched_reference(*args, scale=scale, vote=vote)
   assert out.shape == (n_rows, hq, 32) and out.dtype == dtype and not np.isnan(f64(out)).any()
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
