@@ -292,7 +292,8 @@ def _label_dict(c: dict) -> str:
     """'block_t x block_c / warps; scoring pass block_t x block_c / warps (tile acc)'."""
     bt, bc, w = c["block_t"], c["block_c"], c["num_warps"]
     sbt, sbc, sw = c.get("score_block_t") or bt, c.get("score_block_c") or bc, c.get("score_warps") or w
-    return (f"{bt}×{bc}/{w}w; {sbt}×{sbc}/{sw}w{' tile acc' if c.get('tile_acc') else ''}"
+    return (f"{bt}×{bc}/{w}w{' anchored (' + c['stats_anchor'] + ')' if c.get('stats_anchor') else ''}; "
+            f"{sbt}×{sbc}/{sw}w{' tile acc' if c.get('tile_acc') else ''}"
             f"{'' if c.get('num_stages', 2) == 2 else ' stages ' + str(c['num_stages'])}")
 
 

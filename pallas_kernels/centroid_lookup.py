@@ -87,6 +87,13 @@ class CentroidLookupConfig:
     (parent -> level-1 score -> row) of several blocks.  Every setting > 1 measured
     slower on an H200 at 512K (benchmarks/results/gpu_h200_hierarchical/decode_sweep_1f0414e);
     kept for sweeps on other GPUs.
+  stats_anchor: the prefill statistics pass without a running max: each row's logits are taken
+    relative to the max of its first centroid block (the anchor), so the loop over the other
+    blocks is exp2 and a multiply-add per element with no per-block max, rescale or second
+    reduction: ``"rows"`` sums each block's row, ``"tile"`` accumulates a [block_t, block_c]
+    tile and sums it once.  A program whose sum leaves [0, 2^100] (a later logit ~100 log2
+    units above the anchor, or no valid column in the first block) runs the exact running-max
+    loop instead, so the result is the same up to rounding.  None: the running max throughout.
   level2_rows: the most query rows one program of the hierarchical attention decode's level-2
     kernel takes when a KV head's rows vote in several segments (a batch of questions, or
     vote "q"): whole segments share a program, so each level-2 block is read once for all of
@@ -104,6 +111,7 @@ class CentroidLookupConfig:
   level2_blocks: int = 1
   level2_unroll: bool = False
   level2_rows: int = 32
+  stats_anchor: str | None = None
   score_splits: int | None = None
   stats_splits: int | None = None
   prefill_engine: str = "triton"
@@ -128,6 +136,8 @@ class CentroidLookupConfig:
         raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     if not isinstance(self.level2_blocks, int) or self.level2_blocks < 1:
       raise ValueError(f"level2_blocks must be a positive int, got {self.level2_blocks!r}")
+    if self.stats_anchor not in (None, "rows", "tile"):
+      raise ValueError(f"stats_anchor must be None, 'rows' or 'tile', got {self.stats_anchor!r}")
     if not isinstance(self.level2_rows, int) or self.level2_rows < 1:
       raise ValueError(f"level2_rows must be a positive int, got {self.level2_rows!r}")
 
@@ -299,11 +309,45 @@ def _decode_kernel(q_ref,      # [Hq, d]
     lax.fori_loop(0, blocks, body, jnp.int32(0))
 
 
+_ANCHOR_MAX_SUM = 2.0 ** 100   # an anchored sum above this (or NaN) is redone with the running max
+
+
+def _anchored_stats(start, stop, n, kv, q, scale2, c_ref, n_ref, exact, *, num_c, d, block_t, block_c,
+                    bounded, tile):
+  """The statistics pass's (M, D) with M = the max of the first block's logits (base 2):
+  D = sum_j N_j exp2(s_j - M) over blocks [start, stop), no running max.  Falls back to
+  ``exact()`` for the whole program when D is not in [0, 2^100] (an overflow, or no valid
+  column in the first block: M = MASK)."""
+  def block(b):
+    j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
+    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
+                                         live=(j < n) if bounded else None)
+    return valid, cnt, plgpu.dot(q, c, trans_b=True) * scale2    # [Bt, Bc] log2 units
+
+  valid, cnt, s = block(start)
+  s = jnp.where((valid[None, :]) & (start < stop), s, cm.MASK_VALUE)
+  m = jnp.max(s, axis=1)                                          # [Bt] the anchor
+  first = jnp.exp2(s - m[:, None]) * cnt[None, :]                 # masked columns: cnt 0 or exp2(-1e30)
+
+  def body(b, acc):
+    _, cnt_b, s_b = block(b)
+    # invalid columns: cnt 0 (rows read as 0 give exp2(-M), finite unless M < -128: then NaN -> exact)
+    p = jnp.exp2(s_b - m[:, None]) * cnt_b[None, :]
+    return acc + p if tile else acc + jnp.sum(p, axis=1)
+
+  acc0 = first if tile else jnp.sum(first, axis=1)
+  acc = lax.fori_loop(start + 1, max(stop, start + 1) if isinstance(stop, int) else jnp.maximum(stop, start + 1),
+                      body, acc0)
+  l = jnp.sum(acc, axis=1) if tile else acc
+  bad = jnp.max(jnp.where((l >= 0.0) & (l <= _ANCHOR_MAX_SUM), 0, 1)) > 0   # NaN fails both
+  return lax.cond(bad, exact, lambda: (m, l))
+
+
 def _stats_kernel(q_ref,      # [Hq * T, d]
                   c_ref,      # [Hkv * C, d]
                   n_ref,      # [Hkv * C] int32
                   *refs,      # (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
-                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1):
+                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None):
   if bounded:
     nv_ref, m_ref, l_ref = refs
   else:
@@ -342,9 +386,17 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
     chunk = cm.kcdiv(nblk, splits)
     start = (z * chunk).astype(jnp.int32)
     stop = jnp.maximum(jnp.minimum(start + chunk, nblk), start).astype(jnp.int32)
-    m, l = lax.fori_loop(start, stop, body, (m0, l0))
+  else:   # static trip count
+    start, stop = 0, cm.cdiv(num_c, block_c)
+
+  def exact():
+    return lax.fori_loop(start, stop, body, (m0, l0))
+
+  if anchor is None:
+    m, l = exact()
   else:
-    m, l = lax.fori_loop(0, cm.cdiv(num_c, block_c), body, (m0, l0))
+    m, l = _anchored_stats(start, stop, n, kv, q, scale2, c_ref, n_ref, exact, num_c=num_c, d=d,
+                           block_t=block_t, block_c=block_c, bounded=bounded, tile=anchor == "tile")
   m_ref[z, h, pl.ds(tb * block_t, block_t)] = m
   l_ref[z, h, pl.ds(tb * block_t, block_t)] = l
 
@@ -553,7 +605,8 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
                 bounded=n_valid is not None)
   ssplits = stats_splits(cfg, (t_pad // bt_a) * hq, cm.cdiv(num_c, bc_a), n_valid is not None)
   m, l = pallas_call(
-      functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, **common),
+      functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, anchor=cfg.stats_anchor,
+                        **common),
       backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(t_pad // bt_a, hq, ssplits),
       out_shape=[jax.ShapeDtypeStruct((ssplits, hq, t_pad), jnp.float32)] * 2,

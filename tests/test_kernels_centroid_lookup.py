@@ -293,3 +293,61 @@ def test_statistics_splits_rule():
   assert stats_splits(DEFAULT_PREFILL, 1024, blocks, True) == 2     # a bounded level 2: as before
   assert stats_splits(DEFAULT_PREFILL, 32, 3, False) == 3           # never more shares than blocks
   assert stats_splits(CentroidLookupConfig(stats_splits=5), 32, blocks, False) == 5
+
+
+@pytest.mark.parametrize("anchor", ["rows", "tile"])
+def test_prefill_anchored_statistics_match_reference(rng, anchor):
+  """stats_anchor (the statistics pass without a running max, logits taken relative to each row's
+  first-block max): the same Eq. 1 averages as the reference for ragged T and C with empty clusters,
+  GQA 4:1 and vote "q", a split statistics pass (a short block), a left-padded block, a KV head with
+  no valid cluster, and the bounded pass (the hierarchical lookup's level 2 over its compacted
+  candidates)."""
+  for vote in ("kv", "q"):
+    q, cent, counts = make_inputs(rng, 8, 2, 37, 150, 64, jnp.float32)
+    counts = counts.at[1, :40].set(0)                      # head 1: its first block(s) empty
+    _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=0.125, vote=vote)
+    for cfg in (CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor),
+                CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor, stats_splits=3, tile_acc=True)):
+      _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, vote=vote, backend="interpret", config=cfg)
+      np.testing.assert_allclose(sc, ref, **TOL[jnp.float32])
+  q_valid = jnp.arange(37) >= 9
+  _, ref = centroid_lookup_reference(q, cent, counts.at[0].set(0), 0.0, scale=0.125, q_valid=q_valid)
+  _, sc = centroid_lookup_prefill(q, cent, counts.at[0].set(0), 0.5, scale=0.125, backend="interpret",
+                                  q_valid=q_valid, config=CentroidLookupConfig(block_c=32, block_t=16,
+                                                                              stats_anchor=anchor))
+  assert np.isfinite(np.asarray(sc)).all() and not np.asarray(sc)[0].any()
+  np.testing.assert_allclose(sc, ref, **TOL[jnp.float32])
+  # the bounded pass (the hierarchical level 2 over compacted candidates: rows [0, n_valid) only)
+  from pallas_kernels.centroid_lookup import lookup_prefill_scores
+  n_valid = jnp.asarray([100, 37], jnp.int32)
+  inside = jnp.arange(150)[None, :] < n_valid[:, None]
+  _, ref = centroid_lookup_reference(q, cent, jnp.where(inside, counts, 0), 0.0, scale=0.125)
+  for splits in (None, 3):
+    got = lookup_prefill_scores(q, cent, counts, n_valid, scale=0.125, groups=2, backend="interpret",
+                                cfg=CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor,
+                                                         stats_splits=splits))
+    np.testing.assert_allclose(got, ref, **TOL[jnp.float32])
+
+
+def test_prefill_anchored_statistics_fall_back_when_a_later_block_overflows(rng):
+  """A row whose logits in a later centroid block lie > 128 log2 units above its first block's
+  max (the anchored sum overflows f32) and a head whose first block has no valid cluster: the
+  program redoes its statistics with the running max, so the scores equal the reference."""
+  hq, hkv, seq_len, num_c, d = 4, 2, 9, 64, 32
+  q, cent, counts = make_inputs(rng, hq, hkv, seq_len, num_c, d, jnp.float32, empty_frac=0.0)
+  q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+  cent = 0.01 * cent                                        # blocks hold logits near 0 ...
+  far = (np.asarray(q[0, 0]) * 4000.0).astype(np.float32)   # ... but one centroid of head 0's last block
+  cent = cent.at[0, num_c - 1].set(far)                     # sits 4000 / sqrt(d) log-e units above
+  counts = counts.at[1, :16].set(0)                         # head 1: its first block has no valid cluster
+  scale = d ** -0.5
+  gap = scale * np.log2(np.e) * (np.asarray(q[0, 0]) @ far - np.max(np.asarray(q[0, 0]) @ np.asarray(cent[0, :16]).T))
+  assert gap > 128                                          # the precondition: an anchored sum would overflow
+  _, ref = centroid_lookup_reference(q, cent, counts, 0.0, scale=scale)
+  for anchor in (None, "rows", "tile"):
+    _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=scale, backend="interpret",
+                                    config=CentroidLookupConfig(block_c=16, block_t=16, stats_anchor=anchor))
+    assert np.isfinite(np.asarray(sc)).all(), anchor
+    np.testing.assert_allclose(sc, ref, rtol=2e-5, atol=1e-7, err_msg=str(anchor))
+  with pytest.raises(ValueError, match="stats_anchor must be None, 'rows' or 'tile'"):
+    CentroidLookupConfig(stats_anchor="max")

@@ -108,3 +108,21 @@ def test_dense_decode_lowers(seq_len):
 def test_gather_live_rows_lowers(hs):
   lower(lambda k, v, i, n: gather_live_rows(k, v, i, n, backend="pallas"),
         sds((HKV, L, D)), sds((HKV, L, D)), sds((hs, 700), jnp.int32), sds((hs,), jnp.int32))
+
+
+@pytest.mark.parametrize("anchor", ["rows", "tile"])
+def test_anchored_statistics_pass_lowers(anchor):
+  """The anchored statistics pass (a loop without running max, the exact loop in an scf.if):
+  the 1-level call, a split short block, and the hierarchical prefill's bounded level 2."""
+  import dataclasses
+
+  from pallas_kernels.centroid_lookup import DEFAULT_PREFILL
+  cfg = dataclasses.replace(DEFAULT_PREFILL, stats_anchor=anchor)
+  c, n = sds((HKV, 1311, D)), sds((HKV, 1311), jnp.int32)
+  for seq_len in (4096, 100):
+    lower(lambda q, c, n: centroid_lookup_prefill(q, c, n, jnp.float32(0.1), scale=D ** -0.5, backend="pallas",
+                                                  config=cfg), sds((HQ, seq_len, D)), c, n)
+  args = (sds((HKV, 41, D)), sds((HKV, 41), jnp.int32), sds((HKV, 205, D)),
+          sds((HKV, 205), jnp.int32), sds((HKV, 205), jnp.int32))
+  lower(lambda q, *a: hierarchical_lookup_prefill(q, *a, jnp.float32(0.01), jnp.float32(0.01), scale=D ** -0.5,
+                                                  backend="pallas", config=cfg), sds((HQ, 512, D)), *args)
