@@ -156,8 +156,8 @@ _LOG2E = 1.4426950408889634
 # The Triton passes stay the default: across seven H200 commands at that size the Mosaic GPU passes
 # measured 0.85-1.00x their time for one level, 0.91-1.00x for a bounded level 2 and 1.02-1.04x
 # for the whole hierarchical lookup (timed in two of them; benchmarks/results/gpu_h200_mosaic_lookup).
-# The statistics pass anchored on each row's first block (``stats_anchor="rows"``): 5% less lookup
-# time for one level, 3% for the hierarchical lookup, on an H100 (benchmarks/results/gpu_h100_stats_anchor).
+# The statistics pass anchored on each row's first block (``stats_anchor="rows"``): 4-5% less lookup
+# time for one level, 3-4% for the hierarchical lookup, on an H100 (benchmarks/results/gpu_h100_stats_anchor).
 DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, num_stages=2, tile_acc=True,
                                        score_block_t=64, score_block_c=128, score_warps=4, stats_anchor="rows")
 
