@@ -257,7 +257,7 @@ def to_markdown(res: dict) -> str:
     ab = res.get("ab_level2_rows")
     if ab is not None:
         lines += ["", f"A/B of the level-2 program layout (`CentroidLookupConfig.level2_rows`), batched call, same process:",
-                  "", f"| L | B | level2_rows = {res['level2_rows']} (default) | level2_rows = {ab} | default / A/B |",
+                  "", f"| L | B | level2_rows = {res['level2_rows']} (default) | level2_rows = {ab} | A/B loop time / default's |",
                   "|---|---|---|---|---|"]
         for r in res["rows"]:
             lines.append(f"| {r['L']} | {r['B']} | {pair(r, 'squeezed_batched')} | {pair(r, 'squeezed_batched_ab')} | "

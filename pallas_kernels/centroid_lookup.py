@@ -318,18 +318,12 @@ def _decode_kernel(q_ref,      # [Hq, d]
 _ANCHOR_MAX_SUM = 2.0 ** 100   # an anchored sum above this (or NaN) is redone with the running max
 
 
-def _anchored_stats(start, stop, n, kv, q, scale2, c_ref, n_ref, exact, *, num_c, d, block_t, block_c,
-                    bounded, tile):
+def _anchored_stats(start, stop, block, exact, *, tile):
   """The statistics pass's (M, D) with M = the max of the first block's logits (base 2):
-  D = sum_j N_j exp2(s_j - M) over blocks [start, stop), no running max.  Falls back to
-  ``exact()`` for the whole program when D is not in [0, 2^100] (an overflow, or no valid
-  column in the first block: M = MASK)."""
-  def block(b):
-    j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
-    valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
-                                         live=(j < n) if bounded else None)
-    return valid, cnt, plgpu.dot(q, c, trans_b=True) * scale2    # [Bt, Bc] log2 units
-
+  D = sum_j N_j exp2(s_j - M) over blocks [start, stop), no running max.  ``block(b)`` ->
+  (valid, counts, logits [Bt, Bc]) of centroid block b.  Falls back to ``exact()`` for the
+  whole program when D is not in [0, 2^100] (an overflow, or no valid column in the first
+  block: M = MASK)."""
   valid, cnt, s = block(start)
   s = jnp.where((valid[None, :]) & (start < stop), s, cm.MASK_VALUE)
   m = jnp.max(s, axis=1)                                          # [Bt] the anchor
@@ -368,12 +362,15 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   n = jnp.clip(nv_ref[grp], 0, num_c) if bounded else num_c       # rows [0, n) only
   scale2 = scale * _LOG2E   # base-2 logits: exp2 is the hardware's exp
 
-  def body(b, carry):
-    m_prev, l_prev = carry
+  def block(b):
     j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
                                          live=(j < n) if bounded else None)
-    s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc] log2 units
+    return valid, cnt, plgpu.dot(q, c, trans_b=True) * scale2    # [Bt, Bc] log2 units
+
+  def body(b, carry):
+    m_prev, l_prev = carry
+    valid, cnt, s = block(b)
     s = jnp.where(valid[None, :], s, cm.MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # invalid columns: cnt = 0 zeroes them (exp2 of a masked logit is 0 or, while every
@@ -401,8 +398,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   if anchor is None:
     m, l = exact()
   else:
-    m, l = _anchored_stats(start, stop, n, kv, q, scale2, c_ref, n_ref, exact, num_c=num_c, d=d,
-                           block_t=block_t, block_c=block_c, bounded=bounded, tile=anchor == "tile")
+    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile")
   m_ref[z, h, pl.ds(tb * block_t, block_t)] = m
   l_ref[z, h, pl.ds(tb * block_t, block_t)] = l
 
@@ -499,7 +495,6 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
   hq, d = q.shape
   hkv, num_c, _ = centroids.shape
   r = hq // groups
-  rp = max(16, cm.next_pow2(r))
   dp = cm.padded_head_dim(d)
   block_c = min(cfg.block_c, max(16, cm.next_pow2(num_c)))
   blocks = cfg.level2_blocks if level1 is not None else 1
@@ -518,7 +513,7 @@ def lookup_decode_raw(q, centroids, counts, level1, *, scale, groups, cfg, backe
     k = max(u for u in range(1, per_kv + 1) if per_kv % u == 0 and u * r <= cfg.level2_rows)
     if k > 1:
       seg_rows, r, groups = r, r * k, groups // k
-      rp = max(16, cm.next_pow2(r))
+  rp = max(16, cm.next_pow2(r))
   nbp = max(16, cm.next_pow2(nb))
   outs = [
       jax.ShapeDtypeStruct((groups, nb, r, block_c), jnp.float32),    # e
