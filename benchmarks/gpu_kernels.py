@@ -66,7 +66,7 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             saap_attention, saap_attention_reference, sparse_attention,
                             sparse_attention_reference)
 from pallas_kernels import clustered_attention as clat
-from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, mosaic_applies
+from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, mosaic_applies, quantized_inputs
 from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
                                              gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
@@ -278,7 +278,8 @@ def run_checks(plan: Plan, log) -> list[dict]:
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hkv, poison=False)
     q = x["q"] if prefill else x["q"][:, 0]
     kw = padding(pad)
-    _, ref = centroid_lookup_reference(q, x["cent"], x["ccnt"], 0.0, scale=scale, vote=vote, **kw)
+    qr, cr = quantized_inputs(q, x["cent"]) if config is not None and config.prefill_int8 else (q, x["cent"])
+    _, ref = centroid_lookup_reference(qr, cr, x["ccnt"], 0.0, scale=scale, vote=vote, **kw)
     thr = np.float32(np.quantile(np.asarray(ref)[np.asarray(ref) > 0], 0.8))
     f = centroid_lookup_prefill if prefill else centroid_lookup_decode
     sel, sc = f(q, x["cent"], x["ccnt"], thr, scale=scale, vote=vote, backend=be, config=config, **kw)
@@ -322,6 +323,9 @@ def run_checks(plan: Plan, log) -> list[dict]:
     f = hierarchical_lookup_prefill if prefill else hierarchical_lookup_decode
     kw = padding(pad)
     sel, sc, nt = f(*args, scale=scale, vote=vote, backend=be, config=config, **kw)
+    if config is not None and config.prefill_int8:   # the reference over the kernels' int8 inputs
+      qr, c1r, c2r = quantized_inputs(q, c1, x["cent"])
+      args = (qr, c1r, n1, c2r, *args[4:])
     rsel, rsc, rnt = hierarchical_lookup_reference(*args, scale=scale, vote=vote, **kw)
     touched_diff = int(np.abs(np.asarray(nt) - np.asarray(rnt)).max())
     return rel_err(sc, rsc), {"n_touched_max_diff": touched_diff}
@@ -406,6 +410,13 @@ def run_checks(plan: Plan, log) -> list[dict]:
     check("centroid_lookup_prefill vote=kv, Mosaic GPU passes", lambda: lookup_case("kv", True, mos), tl)
     check("hierarchical_lookup_prefill vote=kv, Mosaic GPU passes",
           lambda: hier_case("kv", True, True, mos), tl)
+  if plan.checks == "full":
+    # the opt-in int8 logits of the prefill passes (CentroidLookupConfig(prefill_int8=...)), against the
+    # reference over the same int8-quantized inputs
+    for mode in ("cvt", "magic"):
+      i8 = dataclasses.replace(DEFAULT_PREFILL, prefill_int8=mode)
+      check(f"centroid_lookup_prefill vote=kv, int8 logits ({mode})", lambda i8=i8: lookup_case("kv", True, i8), tl)
+      check(f"hierarchical_lookup_prefill vote=q, int8 logits ({mode})", lambda i8=i8: hier_case("q", True, False, i8), tl)
   if plan.checks in ("full", "smoke"):
     check("hierarchical_lookup_prefill vote=kv parent-major", lambda: hier_case("kv", True, True), tl)
     check("hierarchical_lookup_prefill vote=q", lambda: hier_case("q", True, False), tl)

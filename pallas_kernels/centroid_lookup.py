@@ -53,6 +53,7 @@ from pallas_kernels.lookup_mosaic import (DEFAULT_MOSAIC, MosaicLookupConfig, is
                                           lookup_prefill_scores_mosaic, supported as mosaic_supported)
 
 PREFILL_ENGINES = ("triton", "mosaic", "auto")
+INT8_MODES = (None, "cvt", "magic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,14 @@ class CentroidLookupConfig:
     vote "q"): whole segments share a program, so each level-2 block is read once for all of
     them and the programs are that many times fewer; each row keeps its own segment's
     survivors.  1 = one segment per program (the layout before 2026-11-25).
+  prefill_int8: the prefill passes' logits ``q.C`` on the int8 tensor cores (twice the bf16 rate on
+    Hopper): q quantized per (head, token) row and the centroids per head to [-127, 127]
+    (``quantize_int8``), the int32 dot scaled back per row.  ``"cvt"`` converts the int32 dot to
+    f32 with a conversion instruction, ``"magic"`` by adding 1.5 * 2^23's bits and subtracting it
+    in the row scale's multiply-add (exact for |dot| < 2^22, which 127^2 * d keeps for d <= 256).
+    The scores are those of the quantized inputs (``quantized_inputs``): on captured SmolLM2
+    keys the logits' error is ~0.08 (std, natural-log units; bf16 inputs: 0.02).  None: the
+    inputs' dtype.  Triton passes only.
   """
   block_c: int = 128
   block_t: int = 64
@@ -120,6 +129,7 @@ class CentroidLookupConfig:
   stats_splits: int | None = None
   prefill_engine: str = "triton"
   mosaic: MosaicLookupConfig | None = None
+  prefill_int8: str | None = None
 
   def __post_init__(self):
     if self.prefill_engine not in PREFILL_ENGINES:
@@ -144,9 +154,44 @@ class CentroidLookupConfig:
       raise ValueError(f"stats_anchor must be None, 'rows' or 'tile', got {self.stats_anchor!r}")
     if not isinstance(self.level2_rows, int) or self.level2_rows < 1:
       raise ValueError(f"level2_rows must be a positive int, got {self.level2_rows!r}")
+    if self.prefill_int8 not in INT8_MODES:
+      raise ValueError(f"prefill_int8 must be one of {INT8_MODES}, got {self.prefill_int8!r}")
+    if self.prefill_int8 is not None and self.prefill_engine == "mosaic":
+      raise ValueError("prefill_int8 runs in the Triton passes; use prefill_engine='triton' or 'auto'")
 
 
 _LOG2E = 1.4426950408889634
+_MAGIC = 0x4B400000          # the bits of 1.5 * 2^23: (i + _MAGIC) read as f32 is 1.5 * 2^23 + i, |i| < 2^22
+_MAGIC_F = 12582912.0
+
+
+def quantize_int8(x: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
+  """Symmetric int8 quantization: x ~ values * scale with scale = max|x| / 127 over ``axes``
+  (kept as size-1 dims; 1 where x is all zero).  -> (values int8, scale f32)."""
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+  sc = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.clip(jnp.round(xf / sc), -127, 127).astype(jnp.int8), sc
+
+
+def quantized_inputs(q: jax.Array, *centroids: jax.Array) -> tuple[jax.Array, ...]:
+  """What ``prefill_int8`` computes with, as f32: q [Hq, T, d] per (head, token) row and each
+  centroid array [H, C, d] per head, quantized to int8 and scaled back.  -> (q, *centroids)."""
+  return tuple(v * sc for v, sc in (quantize_int8(q, (-1,)), *(quantize_int8(c, (1, 2)) for c in centroids)))
+
+
+def _logits(q, c, mult, int8):
+  """[Bt, Bc] logits in log2 units: ``q.C * mult`` (mult: a scalar, or [Bt] per row).  ``int8``:
+  q, c are int8 and the int32 dot is converted to f32 (``"cvt"``) or read through the magic bits
+  (``"magic"``: one integer add, and the subtraction folded into the multiply-add)."""
+  acc = plgpu.dot(q, c, trans_b=True)
+  if int8 is None:
+    return acc * mult
+  m = mult[:, None]
+  if int8 == "cvt":
+    return acc.astype(jnp.float32) * m
+  f = lax.bitcast_convert_type(acc + jnp.int32(_MAGIC), jnp.float32)   # 1.5 * 2^23 + acc, exactly
+  return f * m - (_MAGIC_F * mult)[:, None]                      # one multiply-add per element
 
 
 # The prefill kernels' tiling when none is given (decode: ``CentroidLookupConfig()``): the
@@ -346,8 +391,11 @@ def _anchored_stats(start, stop, block, exact, *, tile):
 def _stats_kernel(q_ref,      # [Hq * T, d]
                   c_ref,      # [Hkv * C, d]
                   n_ref,      # [Hkv * C] int32
-                  *refs,      # (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
-                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None):
+                  *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
+                  scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None,
+                  int8=None):
+  if int8 is not None:
+    rm_ref, refs = refs[0], refs[1:]
   if bounded:
     nv_ref, m_ref, l_ref = refs
   else:
@@ -360,13 +408,14 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
   q = cm.gather_rows(q_ref, h * seq_len + t, d, t < seq_len)      # [Bt, d]
   n = jnp.clip(nv_ref[grp], 0, num_c) if bounded else num_c       # rows [0, n) only
-  scale2 = scale * _LOG2E   # base-2 logits: exp2 is the hardware's exp
+  # base-2 logits: exp2 is the hardware's exp (int8: the row's scales times this, from the caller)
+  mult = scale * _LOG2E if int8 is None else cm.gather_vec(rm_ref, h * seq_len + t, t < seq_len, other=0.0)
 
   def block(b):
     j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
                                          live=(j < n) if bounded else None)
-    return valid, cnt, plgpu.dot(q, c, trans_b=True) * scale2    # [Bt, Bc] log2 units
+    return valid, cnt, _logits(q, c, mult, int8)                 # [Bt, Bc] log2 units
 
   def body(b, carry):
     m_prev, l_prev = carry
@@ -408,9 +457,12 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   ms_ref,     # [Hq, Tp] f32 (kernel A)
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
-                  *refs,      # (n_valid [G])?, out [G, splits, nB * Bc]
+                  *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1):
+                  tile_acc=False, splits=1, int8=None):
+  rm_ref = None
+  if int8 is not None:
+    rm_ref, refs = refs[0], refs[1:]
   (nv_ref, o_ref) = refs if bounded else (None, refs[0])
   cb = pl.program_id(0)   # centroid blocks fastest: concurrent programs share the queries
   grp = pl.program_id(1)
@@ -437,7 +489,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     # -1e30 = 0.
     ok = tv & (lt > 0)
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
-    s = plgpu.dot(q, c, trans_b=True) * scale2                    # [Bt, Bc]
+    mult = scale2 if rm_ref is None else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0)
+    s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
     p = jnp.exp2(jnp.minimum(s - mt[:, None], 0.0))               # invalid columns: zeroed below
     if tile_acc:
       return acc + p                                                # [Bt, Bc]
@@ -599,11 +652,19 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   bc_a, bt_a, bc_b, bt_b = prefill_block_c(cfg, num_c, seq_len)
   t_pad = cm.cdiv(seq_len, max(bt_a, bt_b)) * max(bt_a, bt_b)     # m, l rows: both passes' blocks fit
   nb = cm.cdiv(num_c, bc_b)
-  c_flat, n_flat = _flat_inputs(centroids, counts, dp)
-  q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
   extra = [] if n_valid is None else [n_valid.astype(jnp.int32)]
+  if cfg.prefill_int8 is None:
+    c_flat, n_flat = _flat_inputs(centroids, counts, dp)
+    q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
+  else:   # int8 rows; each query row's multiplier = its scale x its head's centroid scale x log2(e) scale
+    qi, qs = quantize_int8(q, (-1,))                              # [Hq, T, d], [Hq, T, 1]
+    ci, cs = quantize_int8(centroids, (1, 2))                     # [H, C, d], [H, 1, 1]
+    c_flat, n_flat = _flat_inputs(ci, counts, dp)
+    q_flat = cm.pad_axis(qi, 2, dp).reshape(hq * seq_len, dp)
+    mult = qs[..., 0] * jnp.repeat(cs[:, :, 0], hq // hkv, axis=0) * (scale * _LOG2E)
+    extra = [mult.reshape(hq * seq_len)] + extra
   common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
-                bounded=n_valid is not None)
+                bounded=n_valid is not None, int8=cfg.prefill_int8)
   ssplits = stats_splits(cfg, (t_pad // bt_a) * hq, cm.cdiv(num_c, bc_a), n_valid is not None)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, anchor=cfg.stats_anchor,
@@ -646,7 +707,7 @@ def mosaic_applies(dtype, d: int, backend: str) -> bool:
 def _mosaic_engine(cfg: CentroidLookupConfig, q, centroids, backend: str) -> bool:
   """Whether ``lookup_prefill_scores`` runs the Mosaic GPU passes (see ``prefill_engine``)."""
   ok = mosaic_supported(q.dtype, q.shape[-1]) and centroids.dtype == q.dtype
-  if cfg.prefill_engine == "triton":
+  if cfg.prefill_engine == "triton" or cfg.prefill_int8 is not None:
     return False
   if cfg.prefill_engine == "auto":
     return ok and mosaic_applies(q.dtype, q.shape[-1], backend)
@@ -778,9 +839,11 @@ def centroid_lookup_prefill(
   cm.check_token_valid(q_valid, q.shape[1])
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
-  if be == "reference":
-    return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote, q_valid=q_valid)
   cfg = config or DEFAULT_PREFILL
+  if be == "reference":
+    if cfg.prefill_int8 is not None:   # the kernels' arithmetic: the scores of the int8 inputs
+      q, centroids = quantized_inputs(q, centroids)
+    return centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote, q_valid=q_valid)
   hq = q.shape[0]
   hs = cm.num_selection_heads(hq, centroids.shape[0], vote)
   avg = lookup_prefill_scores(q, centroids, counts, scale=scale, groups=hs,

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw,
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw, quantized_inputs,
                                             decode_scores_from_raw, lookup_decode_raw,
                                             lookup_prefill_scores)
 from pallas_kernels._dispatch import resolve_backend
@@ -225,9 +225,11 @@ def hierarchical_scores(
     cm.check_token_valid(q_valid, q.shape[1])
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
-  if be == "reference":
-    return _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, q_valid=q_valid)
   cfg = config or (DEFAULT_PREFILL if q.ndim == 3 else CentroidLookupConfig())
+  if be == "reference":
+    if q.ndim == 3 and cfg.prefill_int8 is not None:   # the prefill kernels' int8 inputs
+      q, c1, c2 = quantized_inputs(q, c1, c2)
+    return _reference_scores(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, q_valid=q_valid)
   return _run(q, c1, n1, c2, n2, parent, t1, scale=scale, vote=vote, be=be, cfg=cfg, q_valid=q_valid)
 
 

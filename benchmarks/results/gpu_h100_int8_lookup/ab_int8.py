@@ -1,0 +1,96 @@
+"""A/B of the prefill lookup's logits: the inputs' bf16 against int8 operands (`CentroidLookupConfig.prefill_int8`
+"cvt" / "magic", and two tilings of "magic"), 4K tokens over 512K, Llama-3-8B attention.
+
+The hierarchical lookup (1% / 5%, the synthetic tree of `benchmarks.lookup_engines.hierarchical_ab`, T1 at the
+median level-1 score) and the 1-level lookup (every 5% centroid), each variant in two alternating rounds: kernel
+busy time per call from a profiler trace (each lookup kernel's own time too), wall time per call (median), and the
+outputs against the bf16 variant's (int8 changes the logits by design: a relative error of ~1e-2 is expected) and
+against the int8 variants' own arithmetic (the 1-level reference over the quantized inputs, on 2 of the 8 KV heads).
+
+    python benchmarks/results/gpu_h100_int8_lookup/ab_int8.py OUT_DIR [--interpret]
+"""
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._meta import metadata, write_json
+from benchmarks._profile import kernel_time_per_call
+from benchmarks.lookup_engines import rel, timed
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, centroid_lookup_reference, lookup_prefill_scores,
+                                            quantized_inputs)
+from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
+
+
+def main(out: Path, interpret: bool) -> int:
+  length, tokens, hq, hkv, d, reps = (524288, 4096, 32, 8, 128, 7) if not interpret else (4096, 64, 8, 2, 128, 1)
+  backend = "interpret" if interpret else "pallas"
+  scale = d ** -0.5
+  kq, k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 5)
+  q = jax.random.normal(kq, (hq, tokens, d), jnp.bfloat16)
+  c1n, c2n = length // 100, length // 20
+  c1 = jax.random.normal(k1, (hkv, c1n, d), jnp.bfloat16) * 0.5
+  c2 = jax.random.normal(k2, (hkv, c2n, d), jnp.bfloat16) * 0.5
+  n2 = jax.random.randint(k3, (hkv, c2n), 1, 40).astype(jnp.int32)
+  parent = jax.random.randint(k4, (hkv, c2n), 0, c1n).astype(jnp.int32)
+  n1 = jax.vmap(lambda p, n: jnp.zeros((c1n,), jnp.int32).at[p].add(n))(parent, n2)
+  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hkv, cfg=DEFAULT_PREFILL, backend=backend)
+  t1 = jnp.median(s1[n1 > 0])
+  magic = dataclasses.replace(DEFAULT_PREFILL, prefill_int8="magic")
+  variants = {"bf16": DEFAULT_PREFILL,
+              "int8 cvt": dataclasses.replace(DEFAULT_PREFILL, prefill_int8="cvt"),
+              "int8 magic": magic,
+              "int8 magic, scoring 128 tokens": dataclasses.replace(magic, score_block_t=128),
+              "int8 magic, 3 stages": dataclasses.replace(magic, num_stages=3)}
+  calls = {
+      "hierarchical": lambda cfg: (jax.jit(lambda *a: hierarchical_lookup_prefill(
+          *a, scale=scale, config=cfg, backend=backend)), (q, c1, n1, c2, n2, parent, t1, jnp.float32(0.0))),
+      "one level": lambda cfg: (jax.jit(lambda *a: lookup_prefill_scores(
+          *a, scale=scale, groups=hkv, cfg=cfg, backend=backend)), (q, c2, n2)),
+  }
+  res = {"meta": metadata(), "shape": dict(L=length, T=tokens, Hq=hq, Hkv=hkv, d=d, dtype="bfloat16"),
+         "level1_survivors": float(jnp.mean((s1 >= t1)[n1 > 0])), "rows": []}
+  # the int8 arithmetic itself: 1-level scores of KV heads 0-1 against the reference over the quantized inputs
+  sub = 2 * hq // hkv
+  qd, cd = quantized_inputs(q[:sub], c2[:2])
+  ref_sub = np.asarray(centroid_lookup_reference(qd, cd, n2[:2], 0.0, scale=scale)[1])
+  base = {}
+  for rnd in range(2):
+    for what, make in calls.items():
+      for name, cfg in (variants.items() if rnd == 0 else reversed(variants.items())):
+        fn, args = make(cfg)
+        sec, got = timed(fn, args, reps)
+        scores = np.asarray(got[1] if what == "hierarchical" else got)
+        row = {"round": rnd, "lookup": what, "variant": name, "prefill_int8": cfg.prefill_int8,
+               "score_block_t": cfg.score_block_t, "num_stages": cfg.num_stages, "wall_ms": sec * 1e3}
+        if name == "bf16":
+          base[what] = (scores, None if what != "hierarchical" else np.asarray(got[2]))
+        ref, cand = base[what]
+        row["scores_rel_err_vs_bf16"] = rel(scores, ref)
+        if cand is not None:
+          got_c = np.asarray(got[2])
+          row["candidates_jaccard_vs_bf16"] = float((got_c & cand).sum() / max((got_c | cand).sum(), 1))
+        if what == "one level" and cfg.prefill_int8:
+          sub_got = lookup_prefill_scores(q[:sub], c2[:2], n2[:2], scale=scale, groups=2, cfg=cfg, backend=backend)
+          row["scores_rel_err_vs_int8_reference"] = rel(sub_got, ref_sub)
+        kt = None if interpret else kernel_time_per_call(fn, [args], n=6)
+        if kt:
+          row["busy_ms"] = kt["busy_ms_per_call"]
+          row["kernels"] = [k for k in kt["kernels"] if "lookup" in k["name"]]
+        res["rows"].append(row)
+        print(f"[{rnd}] {what:12s} {name:32s} wall {row['wall_ms']:.3f} ms, busy {row.get('busy_ms', 0):.3f} ms, "
+              f"vs bf16 {row['scores_rel_err_vs_bf16']:.1e}, vs int8 ref {row.get('scores_rel_err_vs_int8_reference', 0):.1e}"
+              + (f", candidates J {row['candidates_jaccard_vs_bf16']:.4f}" if cand is not None else "")
+              + ("" if "kernels" not in row else "; " + ", ".join(
+                  f"{k['name']} {k['ms_per_call']:.3f}" for k in row["kernels"])), flush=True)
+        write_json(out / "ab_int8.json", res)
+  ok = all(r.get("scores_rel_err_vs_int8_reference", 0) < 1e-4 and r["scores_rel_err_vs_bf16"] < 0.1 for r in res["rows"])
+  print("checks", "PASS" if ok else "FAIL")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(Path(sys.argv[1]), "--interpret" in sys.argv))
