@@ -1,5 +1,5 @@
 #!/bin/bash
-# `run2.sh sweep`: int8 tilings (ab_int8.py --sweep); `run2.sh prefill MODE`: the #8 prefill rows at 512K with the
+# `run2.sh sweep`: int8 tilings (ab_int8.py --sweep); `run2.sh prefill JSON`: the #8 prefill rows at 512K with the
 # int8 logits as the default (speed_int8.py; the run_final.sh settings of gpu_h100_stats_anchor).
 export SQJAX_GIT_COMMIT=$(cat .scratch/commit 2>/dev/null)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
@@ -9,6 +9,6 @@ if [ "$1" = sweep ]; then
   grep -v "^WARNING" $OUT/res/sweep/log.txt | grep -E "^\[|checks|Error|error" | tail -24
 else
   mkdir -p $OUT/res/prefill
-  timeout 560 env PYTHONPATH=. python benchmarks/results/gpu_h100_int8_lookup/speed_int8.py $2 --only-kernels --lengths 524288 --phases prefill --sparsities 0.9 --shapes 32x8 --budget-s 500 --out $OUT/res/prefill > $OUT/res/prefill/log.txt 2>&1; echo speed rc $?
+  timeout 560 env PYTHONPATH=. python benchmarks/results/gpu_h100_int8_lookup/speed_int8.py "$2" --only-kernels --lengths 524288 --phases prefill --sparsities 0.9 --shapes 32x8 --budget-s 500 --out $OUT/res/prefill > $OUT/res/prefill/log.txt 2>&1; echo speed rc $?
   grep -v "^WARNING" $OUT/res/prefill/log.txt | tail -25
 fi
