@@ -71,6 +71,7 @@ class Settings:
     hier_levels: tuple = (0.9,)
     hier_sinks: tuple = (1,)       # n_sink of the hierarchical rows (0 = the paper's exact algorithm)
     hier_level1_prune: float = 0.5  # keys level 1 rules out on calibration (paper: 0.5; its kernel Table 9: 0.9)
+    lookup_int8: bool = False      # Squeezed rows: block lookups from int8 q and centroids (`Squeezed.lookup_int8`)
     streaming_levels: tuple | None = (0.7, 0.9)  # None = every level
     saap_probes: tuple = (8, 16)
     classifier: str | None = None
@@ -91,6 +92,8 @@ class Settings:
         d = {k: getattr(self, k) for k in ("context_tokens", "continuation", "answer_tokens", "capacity_fraction")}
         if self.hier_level1_prune != 0.5:  # (keys of runs at the default stay what they were)
             d["hier_level1_prune"] = self.hier_level1_prune
+        if self.lookup_int8:
+            d["lookup_int8"] = True
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def passkey_key(self) -> str:
@@ -163,10 +166,11 @@ def make_method(family: str, level: str, settings: Settings, matched: dict | Non
     if family.startswith("squeezed"):
         # +token: decode steps select with thresholds calibrated on single queries
         return Squeezed(sparsity=s, n_sink=sink, capacity_fraction=settings.capacity_fraction,
-                        decode_calibration="token" if family.endswith("+token") else "window")
+                        decode_calibration="token" if family.endswith("+token") else "window",
+                        lookup_int8=settings.lookup_int8)
     if family.startswith("hsqueezed"):
         return HierarchicalSqueezed(sparsity=s, n_sink=sink, capacity_fraction=settings.capacity_fraction,
-                                    level1_prune=settings.hier_level1_prune)
+                                    level1_prune=settings.hier_level1_prune, lookup_int8=settings.lookup_int8)
     frac = (matched or {}).get(level)
     if frac is None:
         frac = nominal_fraction(s, length)
@@ -800,6 +804,8 @@ def settings_from_args(args) -> Settings:
             kw[name] = int(v)
     if getattr(args, "level1_prune", None) is not None:
         kw["hier_level1_prune"] = float(args.level1_prune)
+    if getattr(args, "lookup_int8", False):
+        kw["lookup_int8"] = True
     if getattr(args, "saap_probes", None):
         kw["saap_probes"] = tuple(int(p) for p in args.saap_probes)
     if getattr(args, "passkey_lengths", None):
@@ -855,6 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--saap-probes", nargs="*", type=int, default=None)
     p.add_argument("--level1-prune", type=float, default=None,
                    help="hierarchical rows: fraction of keys level 1 rules out on calibration (default 0.5)")
+    p.add_argument("--lookup-int8", action="store_true",
+                   help="Squeezed rows: block (prefill) lookups from int8 q and centroids (Squeezed.lookup_int8)")
     p.add_argument("--passkey-lengths", nargs="*", type=int, default=None)
     p.add_argument("--passkey-trials", type=int, default=None)
     p.add_argument("--passkey-eval-lengths", type=int, default=None)

@@ -205,6 +205,11 @@ def _logits(q, c, mult, int8):
 # time for one level, 3-4% for the hierarchical lookup, on an H100 (benchmarks/results/gpu_h100_stats_anchor).
 DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, num_stages=2, tile_acc=True,
                                        score_block_t=64, score_block_c=128, score_warps=4, stats_anchor="rows")
+# The int8 logits (``prefill_int8``; what ``SqueezedConfig.lookup_int8`` selects) with the fastest statistics tiling
+# for them: on an H100 at 512K / 4K tokens the hierarchical lookup took 2.72 ms of kernels against 3.35 ms for
+# DEFAULT_PREFILL (1-level 3.73 vs 4.70 ms; "cvt" at 128-token statistics blocks 2.83 / 3.97 ms, "magic" slower
+# than "cvt"; benchmarks/results/gpu_h100_int8_lookup).
+INT8_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prefill_int8="cvt", block_t=64)
 
 
 # ----------------------------------------------------------------------------

@@ -45,9 +45,16 @@ def resolved() -> str:
     return b
 
 
-def cluster_scores(q, centroids, counts, scale: float, vote: str, q_valid=None):
+def _prefill_config(int8: bool):
+    """The prefill lookup kernels' config: the default, or the int8 one (`SqueezedConfig.lookup_int8`)."""
+    from pallas_kernels.centroid_lookup import INT8_PREFILL
+
+    return INT8_PREFILL if int8 else None
+
+
+def cluster_scores(q, centroids, counts, scale: float, vote: str, q_valid=None, int8: bool = False):
     """Eq. 1 scores [Hs, C] through the centroid-lookup kernel (a block: averaged over the tokens
-    q_valid [T] marks, all when None), or None to use the jnp path."""
+    q_valid [T] marks, all when None; ``int8``: int8 logits), or None to use the jnp path."""
     b = resolved()
     if b == "reference":
         return None
@@ -58,14 +65,15 @@ def cluster_scores(q, centroids, counts, scale: float, vote: str, q_valid=None):
     if q.shape[1] == 1 and q_valid is None:
         _, s = centroid_lookup_decode(q[:, 0], centroids, counts, thr, scale=scale, vote=vote, backend=b)
     else:
-        _, s = centroid_lookup_prefill(q, centroids, counts, thr, scale=scale, vote=vote, backend=b, q_valid=q_valid)
+        _, s = centroid_lookup_prefill(q, centroids, counts, thr, scale=scale, vote=vote, backend=b, q_valid=q_valid,
+                                       config=_prefill_config(int8))
     return s
 
 
 def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, threshold1, scale: float, vote: str,
-                        q_valid=None):
+                        q_valid=None, int8: bool = False):
     """Eq. 2-3 through the hierarchical lookup kernels (a block: averaged over the tokens q_valid
-    [T] marks), or None to use the jnp path.
+    [T] marks; ``int8``: int8 logits), or None to use the jnp path.
 
     -> (s2 [Hs, C2], s1 [Hs, C1], candidates [Hs, C2], centroids read [Hs]) as
     `squeezed.HierarchicalScores` holds them.
@@ -76,11 +84,12 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
     from pallas_kernels import hierarchical_scores as kernel
 
     dt = q.dtype  # the index stores centroids in the keys' dtype; no-op then
-    if q.shape[1] == 1 and q_valid is None:  # decode
+    decode = q.shape[1] == 1 and q_valid is None
+    if decode:
         q = q[:, 0]
     return kernel(q, centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
                   jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b,
-                  q_valid=q_valid)
+                  q_valid=q_valid, config=None if decode else _prefill_config(int8))
 
 
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):

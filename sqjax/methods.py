@@ -148,6 +148,7 @@ class Squeezed(Method):
     seed: int = 0
     deterministic_build: bool = False   # GPU: bit-identical index from the same document and seed, 1.3-2.2x slower build
     decode_calibration: str = "window"  # "token": decode steps get thresholds calibrated on single queries
+    lookup_int8: bool = False            # prefill (block) lookups from int8 q and centroids: ~20% faster kernels
 
     def __post_init__(self):
         super().__post_init__()
@@ -160,7 +161,7 @@ class Squeezed(Method):
             n_obs=self.n_obs, n_sink=self.n_sink, vote=self.vote, capacity_fraction=self.capacity_fraction,
             kmeans_iters=self.kmeans_iters, kmeans_init=self.kmeans_init, seed=self.seed,
             deterministic_build=self.deterministic_build, decode_calibration=self.decode_calibration,
-            **self._hier_kwargs(),
+            lookup_int8=self.lookup_int8, **self._hier_kwargs(),
         )
 
     def _hier_kwargs(self) -> dict:
@@ -176,7 +177,7 @@ class Squeezed(Method):
         ret, touched = squeezed.lookup(
             index.layer(layer), q, *index.thresholds(q.shape[1]),
             scale=1.0 / math.sqrt(q.shape[-1]), vote=self.vote, n_tail=index.n_tail, capacity=index.capacity,
-            q_valid=q_valid, n_sink=index.n_sink,
+            q_valid=q_valid, n_sink=index.n_sink, int8=self.lookup_int8,
         )
         mask = squeezed.retrieval_mask(ret, length)[:, None, :]
         return Selection(mask, ret.count[:, None], touched[:, None].astype(jnp.float32), ret.overflow, ret)
@@ -190,7 +191,7 @@ class Squeezed(Method):
     def label(self) -> str:
         sink = f"+sink{self.n_sink}" if self.n_sink else ""
         phase = "" if self.decode_calibration == "window" else f"/{self.decode_calibration}"
-        return f"{self.name}{sink}@{self.sparsity:g}{phase}"
+        return f"{self.name}{sink}@{self.sparsity:g}{phase}{'/int8' if self.lookup_int8 else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
