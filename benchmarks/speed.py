@@ -63,6 +63,8 @@ class Plan:
     # keys ruled out at level 1 on calibration (the kernel rows' hierarchical method): 0.5 is the
     # paper's accuracy setting (Sec. 5) and the issue's; its kernel Table 9 assumes 0.9
     level1_prune: float = 0.5
+    # the Squeezed rows' block lookups from int8 q and centroids (`Squeezed.lookup_int8`; decode unchanged)
+    lookup_int8: bool = False
     offline_layers: int = 32
     offline_length: int = 131072
     e2e_length: int = 131072
@@ -260,7 +262,7 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
                                      backend=backend)[:, None]
         li = index.layer(0)
         if lookup_only:
-            return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote)[0]
+            return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote, int8=method.lookup_int8)[0]
         ks, vs, off = layout
         level1 = (li.centroids1, li.counts1, li.parent) if li.centroids1.shape[-2] else None
         return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
@@ -457,8 +459,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
     q_obs = src.queries(100, seed=length, n_heads=hq)[None]
     data = ContextData(k[None], v[None], q_obs, k_pre=k[None], scale=scale)  # SAAP: keys taken as de-roped
     built = {}
-    for m in (Squeezed(sparsity=0.9, n_sink=1),
-              HierarchicalSqueezed(sparsity=0.9, n_sink=1, level1_prune=plan.level1_prune),
+    for m in (Squeezed(sparsity=0.9, n_sink=1, lookup_int8=plan.lookup_int8),
+              HierarchicalSqueezed(sparsity=0.9, n_sink=1, level1_prune=plan.level1_prune, lookup_int8=plan.lookup_int8),
               Quest(dense_layers=0), Saap(dense_layers=0)):
         t0 = time.perf_counter()
         try:
@@ -546,7 +548,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
 
 
 def phase_thresholds(index, q_blocks, scale: float, vote: str, sparsity: float, backend: str,
-                     level1_prune: float | None = None) -> tuple[float, float]:
+                     level1_prune: float | None = None, int8: bool = False) -> tuple[float, float]:
     """(T, T1) calibrated App. C's way but on blocks of the phase's size: each block's S averaged over
     its own tokens (layer 0), the quantile taken over all keys of all blocks (`weighted_threshold`).
 
@@ -555,7 +557,8 @@ def phase_thresholds(index, q_blocks, scale: float, vote: str, sparsity: float, 
     decode step keeps fewer keys than nominal and a 4K prefill more (the paper notes both, App. E),
     by how much depending on the keys. Blocks of one query give a decode threshold, blocks of T
     queries a prefill one: at these, a row reads about 1 - sparsity of the keys. Hierarchical:
-    T1 first (`level1_prune` of the keys ruled out by their parent's score), then T2."""
+    T1 first (`level1_prune` of the keys ruled out by their parent's score), then T2.  `int8`: the
+    blocks' scores from int8 inputs, as `Squeezed.lookup_int8` computes them."""
     from sqjax import dispatch, squeezed
     from sqjax.calibration import weighted_threshold
 
@@ -566,11 +569,11 @@ def phase_thresholds(index, q_blocks, scale: float, vote: str, sparsity: float, 
         if li.centroids1.shape[-2]:
             par = squeezed.per_selection_head(li.parent, squeezed.selection_heads(q_blocks[0].shape[0],
                                                                                   li.parent.shape[0], vote))
-            s1 = jax.jit(lambda c1, n1, q: squeezed.cluster_scores(q, c1, n1, scale, vote))        # [Hs, C1]
+            s1 = jax.jit(lambda c1, n1, q: squeezed.cluster_scores(q, c1, n1, scale, vote, int8=int8))   # [Hs, C1]
             child = [np.asarray(jnp.take_along_axis(s1(li.centroids1, li.counts1, qb), par, axis=-1))
                      for qb in q_blocks]                                                    # a child's parent score
             t1 = weighted_threshold(np.stack(child), li.counts, level1_prune)
-        score = jax.jit(lambda li, q, t: squeezed.layer_scores(li, q, t, scale, vote)[0])
+        score = jax.jit(lambda li, q, t: squeezed.layer_scores(li, q, t, scale, vote, int8=int8)[0])
         s = np.stack([np.asarray(score(li, qb, jnp.float32(t1))) for qb in q_blocks])
     return weighted_threshold(s, li.counts, sparsity), t1
 
@@ -605,7 +608,7 @@ def _phase_calibrated_row(base, plan, log, name, built, sp, q_blocks, qs, ctx, l
     try:
         row["threshold"], row["threshold1"] = phase_thresholds(
             idx[sp], q_blocks, 1.0 / math.sqrt(plan.d), m.vote, sp, plan.backend,
-            getattr(m, "level1_prune", None))
+            getattr(m, "level1_prune", None), m.lookup_int8)
     except Exception as e:  # noqa: BLE001
         row["error"] = _err(e)
         log(f"[{name}] L={base['L']} {base['phase']} phase-calibrated threshold: ERROR {row['error']}")
@@ -1119,7 +1122,10 @@ def to_markdown(res: dict) -> str:
     shapes = [tuple(s) for s in p.get("shapes", [(p["hq"], p["hkv"])])]
     md = [f"# sqjax speed suite — {res['meta']['device']}", "",
           f"jax {res['meta']['jax']}, commit {res['meta']['git_commit']}, keys: {res['keys']}, bf16, d={p['d']}, "
-          f"(Hq, Hkv) = {', '.join(map(str, shapes))}, 5% centroids, n_sink=1, n_obs=100.", ""]
+          f"(Hq, Hkv) = {', '.join(map(str, shapes))}, 5% centroids, n_sink=1, n_obs=100"
+          + (", Squeezed block lookups from int8 q and centroids (`lookup_int8`)" if p.get("lookup_int8") else "")
+          + (f", level 1 ruling out {p['level1_prune']:g} of the keys" if p.get("level1_prune", 0.5) != 0.5 else "")
+          + ".", ""]
     off = res.get("offline")
     if off:
         def secs(key):
@@ -1471,6 +1477,8 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0)
     ap.add_argument("--level1-prune", type=float, default=None,
                     help="fraction of keys level 1 rules out for the hierarchical kernel rows (default 0.5)")
+    ap.add_argument("--lookup-int8", action="store_true",
+                    help="the Squeezed kernel rows' block (prefill) lookups from int8 q and centroids (Squeezed.lookup_int8)")
     ap.add_argument("--phases", default="", help="decode,prefill (default both)")
     ap.add_argument("--e2e-batches", default="", help="comma list of ask_many batch sizes (default 4,8; 0 = none)")
     ap.add_argument("--e2e-method", choices=("squeezed", "hierarchical"), default="squeezed",
@@ -1499,6 +1507,8 @@ def main(argv_or_args=None) -> int:
         plan = dataclasses.replace(plan, deadline_s=args.budget_s)
     if args.level1_prune is not None:
         plan = dataclasses.replace(plan, level1_prune=args.level1_prune)
+    if args.lookup_int8:
+        plan = dataclasses.replace(plan, lookup_int8=True)
     if args.e2e_batches:
         plan = dataclasses.replace(plan, e2e_batches=tuple(int(x) for x in args.e2e_batches.split(",") if int(x) > 0))
     if args.e2e_ask_only:

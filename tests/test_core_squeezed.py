@@ -404,3 +404,50 @@ def test_weighted_quantile_bracketed_path_equals_the_full_sort(monkeypatch):
         monkeypatch.setattr(calibration, "_FULL_SORT", 1 << 21)
         assert got == want
         assert want[2] == np.quantile(np.repeat(v.astype(np.float64), w), 0.9, method="linear")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_lookup_int8_rounds_blocks_like_the_kernels(rng, hierarchical):
+    """`SqueezedConfig.lookup_int8`: a block's lookup scores the int8-rounded q and centroids on the jnp path
+    (what `pallas_kernels.centroid_lookup.quantized_inputs` gives) and through the kernels (here the
+    interpreter) alike; the calibration's threshold is the quantile of those scores; a decode query (one
+    token) is not rounded; the method carries the option into its config and label."""
+    from pallas_kernels.centroid_lookup import quantized_inputs
+    from sqjax import dispatch
+    from sqjax.methods import HierarchicalSqueezed, Squeezed
+
+    hkv, hq, length, d, scale = 2, 4, 1500, 16, 0.25
+    k = jnp.asarray(rng.normal(size=(1, hkv, length, d)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(1, hq, 64, d)).astype(np.float32))
+    cfg = SqueezedConfig(hierarchical=hierarchical, centroid_fraction=0.05, level1_fraction=0.01, n_obs=64,
+                         lookup_int8=True)
+    idx, info = build_squeezed_index(k, q_obs, cfg, scale)
+    li = idx.layer(0)
+    # calibration on the rounded scores
+    s_obs = squeezed.layer_scores(li, q_obs[0], idx.threshold1, scale, "kv", int8=True)[0]
+    assert float(info["threshold"]) == pytest.approx(global_threshold([key_scores(s_obs, li.labels)], cfg.sparsity))
+    plain = squeezed.layer_scores(li, q_obs[0], idx.threshold1, scale, "kv")[0]
+    assert float(jnp.max(jnp.abs(s_obs - plain))) > 0   # rounded (a level-1 survivor may flip: no bound there)
+    if not hierarchical:
+        assert float(jnp.max(jnp.abs(s_obs - plain))) < 0.1 * float(jnp.max(plain))
+    q = jnp.asarray(rng.normal(size=(hq, 7, d)).astype(np.float32))
+    q_valid = jnp.arange(7) >= 2
+    if hierarchical:
+        qd, c1d, c2d = quantized_inputs(q, li.centroids1, li.centroids)
+        want = hierarchical_scores(qd, c1d, li.counts1, c2d, li.counts, li.parent, idx.threshold1, scale, "kv").scores
+    else:
+        qd, cd = quantized_inputs(q, li.centroids)
+        want = cluster_scores(qd, cd, li.counts, scale, "kv")
+    got = squeezed.layer_scores(li, q, idx.threshold1, scale, "kv", int8=True)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+    with dispatch.using("interpret"):
+        for qv in (None, q_valid):
+            kern = squeezed.layer_scores(li, q, idx.threshold1, scale, "kv", qv, int8=True)[0]
+            with dispatch.using("reference"):
+                ref = squeezed.layer_scores(li, q, idx.threshold1, scale, "kv", qv, int8=True)[0]
+            np.testing.assert_allclose(np.asarray(kern), np.asarray(ref), rtol=3e-5, atol=1e-8)
+    one = q[:, :1]
+    np.testing.assert_array_equal(squeezed.layer_scores(li, one, idx.threshold1, scale, "kv", int8=True)[0],
+                                  squeezed.layer_scores(li, one, idx.threshold1, scale, "kv")[0])
+    m = (HierarchicalSqueezed if hierarchical else Squeezed)(lookup_int8=True)
+    assert m.config.lookup_int8 and m.label.endswith("/int8")

@@ -351,3 +351,76 @@ def test_prefill_anchored_statistics_fall_back_when_a_later_block_overflows(rng)
     np.testing.assert_allclose(sc, ref, rtol=2e-5, atol=1e-7, err_msg=str(anchor))
   with pytest.raises(ValueError, match="stats_anchor must be None, 'rows' or 'tile'"):
     CentroidLookupConfig(stats_anchor="max")
+
+
+def test_quantize_int8_rounds_to_the_nearest_step(rng):
+  """quantize_int8: max |x| maps to 127, every value within half a step, an all-zero row gets scale 1 and
+  zeros (no division by zero); quantized_inputs scales q per (head, token) row and centroids per head."""
+  from pallas_kernels.centroid_lookup import quantize_int8, quantized_inputs
+  x = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32).at[1, 2].set(0.0)
+  v, sc = quantize_int8(x, (-1,))
+  assert v.dtype == jnp.int8 and sc.shape == (3, 5, 1)
+  v, sc = np.asarray(v, np.int32), np.asarray(sc)
+  assert (np.abs(v).max(axis=-1)[np.asarray(x).any(axis=-1)] == 127).all()
+  assert sc[1, 2, 0] == 1.0 and not v[1, 2].any()
+  assert np.all(np.abs(v * sc - np.asarray(x)) <= sc / 2 + 1e-7)
+  qd, cd = quantized_inputs(x, x)
+  np.testing.assert_allclose(qd, v * sc, rtol=1e-6)                            # q: per row
+  cv, cs = quantize_int8(x, (1, 2))
+  assert cs.shape == (3, 1, 1)
+  np.testing.assert_allclose(cd, np.asarray(cv, np.int32) * np.asarray(cs), rtol=1e-6)   # centroids: per head
+
+
+@pytest.mark.parametrize("mode", ["cvt", "magic"])
+def test_prefill_int8_logits_match_reference_over_quantized_inputs(rng, mode):
+  """prefill_int8: the two passes on int8 q (per token row) and centroids (per KV head) give the Eq. 1
+  averages of the quantized inputs -- GQA and vote "q", ragged T and C with empty clusters, the running
+  max and the anchored statistics pass, a split statistics pass, a left-padded block with an all-zero
+  padding row, a head with no valid cluster, the bounded pass, and d = 320 (where "magic" falls back to
+  "cvt": 127^2 d >= 2^22).  backend="reference" with the config computes the same; the scores move off
+  the unquantized ones only by the rounding."""
+  from pallas_kernels.centroid_lookup import lookup_prefill_scores, quantized_inputs
+  for vote in ("kv", "q"):
+    q, cent, counts = make_inputs(rng, 8, 2, 37, 150, 64, jnp.bfloat16)
+    qd, cd = quantized_inputs(q, cent)
+    _, ref = centroid_lookup_reference(qd, cd, counts, 0.0, scale=0.125, vote=vote)
+    for cfg in (CentroidLookupConfig(block_c=32, block_t=16, prefill_int8=mode),
+                CentroidLookupConfig(block_c=32, block_t=16, prefill_int8=mode, stats_anchor="rows", stats_splits=3,
+                                     tile_acc=True)):
+      _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, vote=vote, backend="interpret", config=cfg)
+      np.testing.assert_allclose(sc, ref, rtol=1e-5, atol=1e-8)
+      _, sr = centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, vote=vote, backend="reference", config=cfg)
+      np.testing.assert_allclose(sr, ref, rtol=1e-6, atol=1e-9)
+    _, plain = centroid_lookup_reference(q, cent, counts, 0.0, scale=0.125, vote=vote)
+    assert 0 < float(jnp.max(jnp.abs(sc - plain))) < 0.1 * float(jnp.max(plain))
+  cfg = CentroidLookupConfig(block_c=32, block_t=16, prefill_int8=mode, stats_anchor="rows")
+  q_valid = jnp.arange(37) >= 9
+  qz = q.at[:, 3].set(0.0)                                  # a padding token with an all-zero row
+  qd, cd = quantized_inputs(qz, cent)
+  _, ref = centroid_lookup_reference(qd, cd, counts.at[0].set(0), 0.0, scale=0.125, q_valid=q_valid)
+  _, sc = centroid_lookup_prefill(qz, cent, counts.at[0].set(0), 0.5, scale=0.125, backend="interpret",
+                                  q_valid=q_valid, config=cfg)
+  assert np.isfinite(np.asarray(sc)).all() and not np.asarray(sc)[0].any()
+  np.testing.assert_allclose(sc, ref, rtol=1e-5, atol=1e-8)
+  n_valid = jnp.asarray([100, 37], jnp.int32)                # the bounded pass
+  inside = jnp.arange(150)[None, :] < n_valid[:, None]
+  _, ref = centroid_lookup_reference(*quantized_inputs(q, cent), jnp.where(inside, counts, 0), 0.0, scale=0.125)
+  got = lookup_prefill_scores(q, cent, counts, n_valid, scale=0.125, groups=2, backend="interpret", cfg=cfg)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-8)
+  q, cent, counts = make_inputs(rng, 4, 2, 5, 40, 320, jnp.float32)
+  _, ref = centroid_lookup_reference(*quantized_inputs(q, cent), counts, 0.0, scale=320 ** -0.5)
+  _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=320 ** -0.5, backend="interpret",
+                                  config=CentroidLookupConfig(block_c=16, block_t=16, prefill_int8=mode))
+  np.testing.assert_allclose(sc, ref, rtol=1e-5, atol=1e-8)
+
+
+def test_prefill_int8_config_errors():
+  with pytest.raises(ValueError, match="prefill_int8 must be one of"):
+    CentroidLookupConfig(prefill_int8="fp8")
+  with pytest.raises(ValueError, match="prefill_int8 runs in the Triton passes"):
+    CentroidLookupConfig(prefill_int8="cvt", prefill_engine="mosaic")
+  from pallas_kernels.centroid_lookup import INT8_PREFILL, _mosaic_engine
+  auto = CentroidLookupConfig(prefill_int8="cvt", prefill_engine="auto")
+  q = jnp.zeros((4, 8, 64), jnp.bfloat16)
+  assert not _mosaic_engine(auto, q, jnp.zeros((2, 16, 64), jnp.bfloat16), "pallas")   # int8: always Triton
+  assert INT8_PREFILL.prefill_int8 == "cvt"

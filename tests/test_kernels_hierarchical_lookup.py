@@ -276,3 +276,28 @@ def test_prefill_mean_over_valid_tokens(rng, vote, pad):
   assert np.isfinite(np.asarray(sc)).all()
   np.testing.assert_array_equal(nt, rnt)
   np.testing.assert_allclose(sc, rsc, rtol=3e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_prefill_int8_logits_match_reference_over_quantized_inputs(rng, vote):
+  """prefill_int8 in both levels (the level-2 pass over the compacted candidates takes each head's scale over its
+  permuted copy, the same rows): the reference over the quantized q, c1, c2 gives the same candidates, scores and
+  selection; backend="reference" with the config computes exactly that; decode ignores the option."""
+  from pallas_kernels.centroid_lookup import quantized_inputs
+  q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 21, 13, 90, 64, jnp.bfloat16)
+  scale = 64 ** -0.5
+  qd, c1d, c2d = quantized_inputs(q, c1, c2)
+  t1, t2 = thresholds(qd, c1d, n1, vote, scale)
+  cfg = CentroidLookupConfig(block_c=16, block_t=16, prefill_int8="cvt", stats_anchor="rows")
+  rsel, rsc, rnt = hierarchical_lookup_reference(qd, c1d, n1, c2d, n2, parent, t1, t2, scale=scale, vote=vote)
+  for backend, tol in (("interpret", 3e-5), ("reference", 1e-6)):
+    sel, sc, nt = hierarchical_lookup_prefill(q, c1, n1, c2, n2, parent, t1, t2, scale=scale, vote=vote,
+                                              backend=backend, config=cfg)
+    np.testing.assert_array_equal(nt, rnt)
+    np.testing.assert_allclose(sc, rsc, rtol=tol, atol=1e-7)
+    far = np.abs(np.asarray(rsc) - t2) > 1e-5 * float(np.max(rsc))
+    np.testing.assert_array_equal(np.asarray(sel)[far], np.asarray(rsel)[far])
+  dec = [hierarchical_lookup_decode(q[:, 0], c1, n1, c2, n2, parent, t1, t2, scale=scale, vote=vote,
+                                    backend="reference", config=c) for c in (cfg, None)]
+  for a, b in zip(*dec):
+    np.testing.assert_array_equal(a, b)

@@ -110,14 +110,16 @@ def test_gather_live_rows_lowers(hs):
         sds((HKV, L, D)), sds((HKV, L, D)), sds((hs, 700), jnp.int32), sds((hs,), jnp.int32))
 
 
+@pytest.mark.parametrize("int8", [None, "cvt", "magic"])
 @pytest.mark.parametrize("anchor", ["rows", "tile"])
-def test_anchored_statistics_pass_lowers(anchor):
-  """The anchored statistics pass (a loop without running max, the exact loop in an scf.if):
-  the 1-level call, a split short block, and the hierarchical prefill's bounded level 2."""
+def test_anchored_statistics_pass_lowers(anchor, int8):
+  """The anchored statistics pass (a loop without running max, the exact loop in an scf.if), with the
+  inputs' logits or int8 ones: the 1-level call, a split short block, and the hierarchical prefill's
+  bounded level 2."""
   import dataclasses
 
   from pallas_kernels.centroid_lookup import DEFAULT_PREFILL
-  cfg = dataclasses.replace(DEFAULT_PREFILL, stats_anchor=anchor)
+  cfg = dataclasses.replace(DEFAULT_PREFILL, stats_anchor=anchor, prefill_int8=int8)   # int8: i8 x i8 -> i32 dots
   c, n = sds((HKV, 1311, D)), sds((HKV, 1311), jnp.int32)
   for seq_len in (4096, 100):
     lower(lambda q, c, n: centroid_lookup_prefill(q, c, n, jnp.float32(0.1), scale=D ** -0.5, backend="pallas",

@@ -179,18 +179,22 @@ def test_phase_thresholds_keep_the_nominal_fraction():
     k = jnp.asarray(rng.normal(size=(1, hkv, length, d)), jnp.float32)
     q_obs = jnp.asarray(rng.normal(size=(1, hq, 100, d)), jnp.float32)
     data = ContextData(k, k, q_obs, k_pre=k, scale=1.0 / np.sqrt(d))
-    for method in (Squeezed(sparsity=0.8), HierarchicalSqueezed(sparsity=0.8, level1_prune=0.5)):
+    methods = (Squeezed(sparsity=0.8), HierarchicalSqueezed(sparsity=0.8, level1_prune=0.5),
+               HierarchicalSqueezed(sparsity=0.8, level1_prune=0.5, lookup_int8=True))   # int8 block scores
+    for method in methods:
         index = method.build(data)[0]
         li = index.layer(0)
-        for t in (1, 64):
+        i8 = method.lookup_int8
+        for t in ((64,) if i8 else (1, 64)):
             blocks = [jnp.asarray(rng.normal(size=(hq, t, d)), jnp.float32) for _ in range(6)]
             thr, thr1 = phase_thresholds(index, blocks, 1.0 / np.sqrt(d), "kv", 0.8, "reference",
-                                         getattr(method, "level1_prune", None))
-            kept = [np.asarray(key_scores(squeezed.layer_scores(li, b, jnp.float32(thr1), 1.0 / np.sqrt(d), "kv")[0],
-                                          li.labels) > thr).mean() for b in blocks]
+                                         getattr(method, "level1_prune", None), i8)
+            kept = [np.asarray(key_scores(squeezed.layer_scores(li, b, jnp.float32(thr1), 1.0 / np.sqrt(d), "kv",
+                                                                int8=i8)[0], li.labels) > thr).mean() for b in blocks]
             assert abs(np.mean(kept) - 0.2) < 0.01, (method.name, t, kept)
             if li.centroids1.shape[-2]:
-                s1 = [squeezed.cluster_scores(b, li.centroids1, li.counts1, 1.0 / np.sqrt(d), "kv") for b in blocks]
+                s1 = [squeezed.cluster_scores(b, li.centroids1, li.counts1, 1.0 / np.sqrt(d), "kv", int8=i8)
+                      for b in blocks]
                 ruled_out = [np.asarray(key_scores(jnp.take_along_axis(s, li.parent, axis=-1), li.labels) <= thr1).mean()
                              for s in s1]
                 assert abs(np.mean(ruled_out) - 0.5) < 0.01

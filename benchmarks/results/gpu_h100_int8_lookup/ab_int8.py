@@ -9,7 +9,8 @@ against the int8 variants' own arithmetic (the 1-level reference over the quanti
 
     python benchmarks/results/gpu_h100_int8_lookup/ab_int8.py OUT_DIR [--interpret] [--sweep]
 
---sweep: instead, tilings of the int8 "cvt" passes (one round; bf16 and int8 at the shipped tiling first).
+--sweep: instead, tilings of the int8 "cvt" passes (one round; bf16 and int8 at the shipped tiling first);
+--sweep2: tilings and splits around `INT8_PREFILL` (one round).
 """
 import dataclasses
 import sys
@@ -59,6 +60,19 @@ def main(out: Path, interpret: bool, sweep: bool = False) -> int:
                 "int8 cvt, scoring 64 centroids": r(cvt, score_block_c=64),
                 "int8 cvt, scoring 256 centroids 8 warps": r(cvt, score_block_c=256, score_warps=8),
                 "int8 cvt, scoring 32 tokens": r(cvt, score_block_t=32)}
+  if sweep == 2:   # around INT8_PREFILL (64-token statistics blocks)
+    from pallas_kernels.centroid_lookup import INT8_PREFILL as i8
+    r = dataclasses.replace
+    variants = {"bf16": DEFAULT_PREFILL, "INT8_PREFILL": i8,
+                "INT8_PREFILL, stats 32 tokens": r(i8, block_t=32),
+                "INT8_PREFILL, stats 64 centroids": r(i8, block_c=64),
+                "INT8_PREFILL, 1 stage": r(i8, num_stages=1),
+                "INT8_PREFILL, stats splits 1": r(i8, stats_splits=1),
+                "INT8_PREFILL, stats splits 4": r(i8, stats_splits=4),
+                "INT8_PREFILL, score splits 2": r(i8, score_splits=2),
+                "INT8_PREFILL, score splits 8": r(i8, score_splits=8),
+                "INT8_PREFILL, stats 2 warps": r(i8, num_warps=2),
+                "INT8_PREFILL, scoring 2 warps": r(i8, score_warps=2)}
   calls = {
       "hierarchical": lambda cfg: (jax.jit(lambda *a: hierarchical_lookup_prefill(
           *a, scale=scale, config=cfg, backend=backend)), (q, c1, n1, c2, n2, parent, t1, jnp.float32(0.0))),
@@ -109,4 +123,4 @@ def main(out: Path, interpret: bool, sweep: bool = False) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(Path(sys.argv[1]), "--interpret" in sys.argv, "--sweep" in sys.argv))
+  sys.exit(main(Path(sys.argv[1]), "--interpret" in sys.argv, 2 if "--sweep2" in sys.argv else "--sweep" in sys.argv))
