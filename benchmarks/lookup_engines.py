@@ -19,6 +19,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,43 @@ def reference_group0(q, c, n, nv, scale, groups):
   return jnp.mean(s, axis=(0, 1))
 
 
+def synthetic_tree(keys, hkv: int, length: int, d: int):
+  """A two-level tree over ``length`` keys: random bf16 level-1 (1%) and level-2 (5%) centroids, level-2
+  counts 1-39, random parents, level-1 counts their children's sums.  keys: four PRNG keys.
+  -> (c1 [Hkv, C1, d], n1 [Hkv, C1], c2 [Hkv, C2, d], n2 [Hkv, C2], parent [Hkv, C2])."""
+  k1, k2, k3, k4 = keys
+  c1n, c2n = length // 100, length // 20
+  c1 = jax.random.normal(k1, (hkv, c1n, d), jnp.bfloat16) * 0.5
+  c2 = jax.random.normal(k2, (hkv, c2n, d), jnp.bfloat16) * 0.5
+  n2 = jax.random.randint(k3, (hkv, c2n), 1, 40).astype(jnp.int32)
+  parent = jax.random.randint(k4, (hkv, c2n), 0, c1n).astype(jnp.int32)
+  n1 = jax.vmap(lambda p, n: jnp.zeros((c1n,), jnp.int32).at[p].add(n))(parent, n2)
+  return c1, n1, c2, n2, parent
+
+
+class AbInputs(NamedTuple):
+  length: int
+  tokens: int
+  hq: int
+  hkv: int
+  d: int
+  reps: int
+  backend: str
+  scale: float
+  q: jax.Array      # [Hq, T, d] bf16
+  tree: tuple       # synthetic_tree's (c1, n1, c2, n2, parent)
+
+
+def ab_inputs(interpret: bool) -> AbInputs:
+  """The A/B scripts' inputs: 4K tokens over 512K keys, Llama-3-8B attention (tiny shapes under the
+  interpreter), Gaussian bf16 q and a ``synthetic_tree`` from PRNGKey(0)."""
+  length, tokens, hq, hkv, d, reps = (524288, 4096, 32, 8, 128, 7) if not interpret else (4096, 64, 8, 2, 128, 1)
+  kq, *ks = jax.random.split(jax.random.PRNGKey(0), 5)
+  q = jax.random.normal(kq, (hq, tokens, d), jnp.bfloat16)
+  return AbInputs(length, tokens, hq, hkv, d, reps, "interpret" if interpret else "pallas", d ** -0.5, q,
+                  synthetic_tree(ks, hkv, length, d))
+
+
 def hierarchical_ab(q, length, scale, groups, reps):
   """``hierarchical_lookup_prefill`` (level 1 at 1%, its survivors' level-2 children at 5%,
   candidates compacted, both levels' two passes) with each engine, and cuDNN dense attention
@@ -58,11 +96,7 @@ def hierarchical_ab(q, length, scale, groups, reps):
   hq, t, d = q.shape
   hkv, c1n, c2n = 8, length // 100, length // 20
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(1), 4)
-  c1 = jax.random.normal(k1, (hkv, c1n, d), jnp.bfloat16) * 0.5
-  c2 = jax.random.normal(k2, (hkv, c2n, d), jnp.bfloat16) * 0.5
-  n2 = jax.random.randint(k3, (hkv, c2n), 1, 40).astype(jnp.int32)
-  parent = jax.random.randint(k4, (hkv, c2n), 0, c1n).astype(jnp.int32)
-  n1 = jax.vmap(lambda p, n: jnp.zeros((c1n,), jnp.int32).at[p].add(n))(parent, n2)
+  c1, n1, c2, n2, parent = synthetic_tree((k1, k2, k3, k4), hkv, length, d)
   s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=groups, cfg=DEFAULT_PREFILL, backend="pallas")
   t1 = jnp.median(s1[n1 > 0])
   t2 = jnp.float32(0.0)
@@ -100,6 +134,24 @@ def timed(fn, args, reps):
     jax.block_until_ready(fn(*args))
     ts.append(time.perf_counter() - t0)
   return statistics.median(ts), out
+
+
+def timed_lookup(fn, args, reps, profile: bool = True):
+  """``timed`` plus, with ``profile``, the kernel busy time per call from a profiler trace and each lookup
+  kernel's own time.  -> (row fields {wall_ms, busy_ms?, kernels?}, the outputs)."""
+  from benchmarks._profile import kernel_time_per_call
+  sec, out = timed(fn, args, reps)
+  row = {"wall_ms": sec * 1e3}
+  kt = kernel_time_per_call(fn, [args], n=6) if profile else None
+  if kt:
+    row["busy_ms"] = kt["busy_ms_per_call"]
+    row["kernels"] = [k for k in kt["kernels"] if "lookup" in k["name"]]
+  return row, out
+
+
+def kernels_str(row) -> str:
+  """'; name ms, ...' of a ``timed_lookup`` row's kernels ('' without a trace)."""
+  return "" if "kernels" not in row else "; " + ", ".join(f"{k['name']} {k['ms_per_call']:.3f}" for k in row["kernels"])
 
 
 def rel(a, b):

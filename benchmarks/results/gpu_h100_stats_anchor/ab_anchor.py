@@ -17,24 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._meta import metadata, write_json
-from benchmarks._profile import kernel_time_per_call
-from benchmarks.lookup_engines import rel, timed
+from benchmarks.lookup_engines import ab_inputs, kernels_str, rel, timed_lookup
 from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, lookup_prefill_scores
 from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
 
 
 def main(out: Path, interpret: bool) -> int:
-  length, tokens, hq, hkv, d, reps = (524288, 4096, 32, 8, 128, 7) if not interpret else (4096, 64, 8, 2, 128, 1)
-  backend = "interpret" if interpret else "pallas"
-  scale = d ** -0.5
-  kq, k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 5)
-  q = jax.random.normal(kq, (hq, tokens, d), jnp.bfloat16)
-  c1n, c2n = length // 100, length // 20
-  c1 = jax.random.normal(k1, (hkv, c1n, d), jnp.bfloat16) * 0.5
-  c2 = jax.random.normal(k2, (hkv, c2n, d), jnp.bfloat16) * 0.5
-  n2 = jax.random.randint(k3, (hkv, c2n), 1, 40).astype(jnp.int32)
-  parent = jax.random.randint(k4, (hkv, c2n), 0, c1n).astype(jnp.int32)
-  n1 = jax.vmap(lambda p, n: jnp.zeros((c1n,), jnp.int32).at[p].add(n))(parent, n2)
+  x = ab_inputs(interpret)
+  length, tokens, hq, hkv, d, reps, backend, scale, q = x[:9]
+  c1, n1, c2, n2, parent = x.tree
   s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hkv, cfg=dataclasses.replace(DEFAULT_PREFILL, stats_anchor=None),
                              backend=backend)
   t1 = jnp.median(s1[n1 > 0])
@@ -54,10 +45,9 @@ def main(out: Path, interpret: bool) -> int:
     for what, make in calls.items():
       for name, cfg in (variants.items() if rnd == 0 else reversed(variants.items())):
         fn, args = make(cfg)
-        sec, got = timed(fn, args, reps)
+        timing, got = timed_lookup(fn, args, reps, profile=not interpret)
         scores = np.asarray(got[1] if what == "hierarchical" else got)
-        row = {"round": rnd, "lookup": what, "variant": name, "stats_anchor": cfg.stats_anchor,
-               "wall_ms": sec * 1e3}
+        row = {"round": rnd, "lookup": what, "variant": name, "stats_anchor": cfg.stats_anchor}
         if name == "running max":
           base[what] = (scores, None if what != "hierarchical" else np.asarray(got[2]))
         ref, touched = base.get(what, (None, None))
@@ -65,15 +55,10 @@ def main(out: Path, interpret: bool) -> int:
           row["scores_rel_err_vs_running_max"] = rel(scores, ref)
           if touched is not None:
             row["same_candidates"] = bool(np.array_equal(np.asarray(got[2]), touched))
-        kt = None if interpret else kernel_time_per_call(fn, [args], n=6)
-        if kt:
-          row["busy_ms"] = kt["busy_ms_per_call"]
-          row["kernels"] = [k for k in kt["kernels"] if "lookup" in k["name"]]
+        row.update(timing)
         res["rows"].append(row)
         print(f"[{rnd}] {what:12s} {name:20s} wall {row['wall_ms']:.3f} ms, busy {row.get('busy_ms', 0):.3f} ms, "
-              f"err {row.get('scores_rel_err_vs_running_max', 0):.1e}"
-              + ("" if "kernels" not in row else "; " + ", ".join(
-                  f"{k['name']} {k['ms_per_call']:.3f}" for k in row["kernels"])), flush=True)
+              f"err {row.get('scores_rel_err_vs_running_max', 0):.1e}" + kernels_str(row), flush=True)
         write_json(out / "ab_anchor.json", res)
   ok = all(r.get("scores_rel_err_vs_running_max", 0) < 1e-3 and r.get("same_candidates", True) for r in res["rows"])
   print("checks", "PASS" if ok else "FAIL")
