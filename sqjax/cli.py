@@ -129,8 +129,11 @@ def cmd_index(args) -> int:
     if args.method in ("squeezed", "hsqueezed"):
         extra["n_sink"] = args.n_sink
         extra["decode_calibration"] = args.decode_calibration or "window"
+        extra["lookup_int8"] = args.lookup_int8
     elif args.decode_calibration:
         raise SqjaxError(f"--decode-calibration is for squeezed and hsqueezed (thresholds); {args.method} has none")
+    elif args.lookup_int8:
+        raise SqjaxError(f"--lookup-int8 is for squeezed and hsqueezed (centroid lookups); {args.method} has none")
     if args.method in ("squeezed", "hsqueezed", "saap"):
         extra["deterministic_build"] = args.deterministic
     elif args.deterministic:
@@ -258,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="squeezed, hsqueezed: 'window' (default, the paper's App. C: one threshold for prefill "
                         "and decode) or 'token' (decode steps get thresholds calibrated on single queries, "
                         "so a decode step keeps about 1 - sparsity of the keys)")
+    i.add_argument("--lookup-int8", action="store_true",
+                   help="squeezed, hsqueezed: block (prefill) lookups and calibration from int8 queries and "
+                        "centroids: ~20%% faster lookup kernels on an H100, prefill KL ~4%% higher on SmolLM2")
     i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
     i.set_defaults(fn=cmd_index)

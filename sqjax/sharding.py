@@ -1089,6 +1089,9 @@ def calibrate_sharded(layers: ShardedLayerIndex, q_obs, cfg: squeezed.SqueezedCo
     q_obs [layers, Hq, n, d]: roped queries of the last fixed-context tokens. Only the
     (cluster score, cluster size) pairs reach the host (see the module docstring).
     """
+    if cfg.lookup_int8:
+        raise ValueError("lookup_int8 is not implemented for the sharded index (its lookups score in f32/bf16); "
+                         "build it with lookup_int8=False")
     check_rank("q_obs", q_obs, 4, "[layers, Hq, n_obs, d]")
     n_ctx, n_heads = mesh_shape(mesh)
     n_layers = layers.centroids.shape[0]

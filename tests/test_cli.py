@@ -71,12 +71,12 @@ def test_index_other_methods(capsys, model_dir, doc_file, tmp_path, method, extr
 
 def test_index_with_decode_calibration(capsys, model_dir, doc_file, tmp_path):
     code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "t.sqx"), "--model", model_dir,
-                          "--method", "hsqueezed", "--decode-calibration", "token", "--json")
+                          "--method", "hsqueezed", "--decode-calibration", "token", "--lookup-int8", "--json")
     assert code == 0, err
     payload = json.loads(out)
-    assert payload["method"].endswith("/token") and payload["info"]["threshold_decode"] > 0
+    assert payload["method"].endswith("/token/int8") and payload["info"]["threshold_decode"] > 0
     ctx = FixedContext.load(tmp_path / "t.sqx", sqjax.load_model(model_dir))
-    assert ctx.method.decode_calibration == "token"
+    assert ctx.method.decode_calibration == "token" and ctx.method.lookup_int8   # saved with the index
     assert float(ctx.index.threshold_decode) == pytest.approx(payload["info"]["threshold_decode"])
 
 
@@ -114,6 +114,10 @@ def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
     code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "q.sqx"), "--model", model_dir,
                         "--method", "saap", "--decode-calibration", "token")
     assert code != 0 and "--decode-calibration is for squeezed and hsqueezed" in _error_line(err)
+
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "q.sqx"), "--model", model_dir,
+                        "--method", "quest", "--lookup-int8")
+    assert code != 0 and "--lookup-int8 is for squeezed and hsqueezed" in _error_line(err)
 
     with pytest.raises(SystemExit) as e:  # argparse rejects an unknown method by name
         main(["index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--method", "magic"])
