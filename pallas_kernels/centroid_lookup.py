@@ -175,10 +175,20 @@ def quantize_int8(x: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
   return jnp.clip(jnp.round(xf / sc), -127, 127).astype(jnp.int8), sc
 
 
+def _int8_q(q):
+  """q [Hq, T, d] -> int8 values, scale [Hq, T, 1]: one scale per (head, token) row."""
+  return quantize_int8(q, (-1,))
+
+
+def _int8_c(centroids):
+  """centroids [H, C, d] -> int8 values, scale [H, 1, 1]: one scale per head."""
+  return quantize_int8(centroids, (1, 2))
+
+
 def quantized_inputs(q: jax.Array, *centroids: jax.Array) -> tuple[jax.Array, ...]:
   """What ``prefill_int8`` computes with, as f32: q [Hq, T, d] per (head, token) row and each
   centroid array [H, C, d] per head, quantized to int8 and scaled back.  -> (q, *centroids)."""
-  return tuple(v * sc for v, sc in (quantize_int8(q, (-1,)), *(quantize_int8(c, (1, 2)) for c in centroids)))
+  return tuple(v * sc for v, sc in (_int8_q(q), *map(_int8_c, centroids)))
 
 
 def _logits(q, c, mult, int8):
@@ -663,8 +673,8 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
     c_flat, n_flat = _flat_inputs(centroids, counts, dp)
     q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
   else:   # int8 rows; each query row's multiplier = its scale x its head's centroid scale x log2(e) scale
-    qi, qs = quantize_int8(q, (-1,))                              # [Hq, T, d], [Hq, T, 1]
-    ci, cs = quantize_int8(centroids, (1, 2))                     # [H, C, d], [H, 1, 1]
+    qi, qs = _int8_q(q)                                           # [Hq, T, d], [Hq, T, 1]
+    ci, cs = _int8_c(centroids)                                   # [H, C, d], [H, 1, 1]
     c_flat, n_flat = _flat_inputs(ci, counts, dp)
     q_flat = cm.pad_axis(qi, 2, dp).reshape(hq * seq_len, dp)
     mult = qs[..., 0] * jnp.repeat(cs[:, :, 0], hq // hkv, axis=0) * (scale * _LOG2E)

@@ -84,12 +84,11 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
     from pallas_kernels import hierarchical_scores as kernel
 
     dt = q.dtype  # the index stores centroids in the keys' dtype; no-op then
-    decode = q.shape[1] == 1 and q_valid is None
-    if decode:
+    if q.shape[1] == 1 and q_valid is None:  # decode
         q = q[:, 0]
     return kernel(q, centroids1.astype(dt), counts1, centroids2.astype(dt), counts2, parent,
                   jax.numpy.asarray(threshold1, jax.numpy.float32), scale=scale, vote=vote, backend=b,
-                  q_valid=q_valid, config=None if decode else _prefill_config(int8))
+                  q_valid=q_valid, config=_prefill_config(int8))   # int8: blocks only (the caller's rule)
 
 
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):

@@ -130,10 +130,11 @@ def _is_block(q: jax.Array, q_valid: jax.Array | None) -> bool:
 
 
 def _quantized(q: jax.Array, *centroids: jax.Array) -> tuple[jax.Array, ...]:
-    """The int8 lookup's inputs, scaled back (what the kernels compute with), in q's dtype."""
+    """The int8 lookup's inputs, scaled back in f32 (what the kernels compute with; `_group_logits`
+    works in f32, so no rounding back to q's dtype)."""
     from pallas_kernels.centroid_lookup import quantized_inputs
 
-    return tuple(x.astype(q.dtype) for x in quantized_inputs(q, *centroids))
+    return quantized_inputs(q, *centroids)
 
 
 def _token_mean(s: jax.Array, q_valid: jax.Array | None) -> jax.Array:
