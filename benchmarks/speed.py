@@ -400,7 +400,9 @@ def _loop_iters(plan: Plan, t: int) -> int:
 
 def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
     """Dense baselines, new part appended outside the timing: cuDNN, XLA (where its T x L scores
-    fit) and, for decode, the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`).
+    fit), for decode the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`), for
+    blocks "cudnn_split", the library's own (`pallas_kernels.dense_prefill_attention`: cuDNN over the
+    fixed K/V in place and over the new part under its causal mask, merged by log-sum-exp).
 
     {mode: {baseline: ms}} for each of `modes`: "call" (`time_ms`), the device time per call
     "loop" (`time_ms_looped`) or "unrolled" (`time_ms_unrolled`), or "kernels", the kernel busy
@@ -415,6 +417,10 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
     # name -> (jitted fn(q, *fixed), its queries, fixed)
     cases = {name: (fn, [qq.swapaxes(0, 1)[None] for qq in qs], (kk, vv)) for name, fn in _dense_fns_nocat(plan).items()
              if not (name == "xla" and qs[0].shape[0] * t * length * 4 > 16 << 30)}  # XLA's f32 Hq x T x L scores: OOM
+    if t > 1:  # the library's full-attention prefill: cuDNN over the fixed K/V in place + the new part, causal
+        fn = functools.partial(pallas_kernels.dense_prefill_attention, scale=1.0 / math.sqrt(plan.d),
+                               backend=plan.backend)
+        cases["cudnn_split"] = (fn, list(qs), tuple(ctx))
     if t == 1 and hasattr(pallas_kernels, "dense_decode_attention"):
         fn = functools.partial(pallas_kernels.dense_decode_attention, scale=1.0 / math.sqrt(plan.d),
                                backend=plan.backend)

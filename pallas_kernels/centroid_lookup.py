@@ -646,7 +646,8 @@ def prefill_block_c(cfg: CentroidLookupConfig, num_c: int, seq_len: int) -> tupl
           fit_t(cfg.score_block_t or cfg.block_t))
 
 
-def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, cfg, backend, q_valid=None):
+def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, cfg, backend, q_valid=None,
+                          q_int8=None, c_int8=None):
   """Eq. 1 scores averaged over the T tokens and the R heads of each group.
 
   q [Hq, T, d]; centroids [Hkv, C, d]; counts [Hkv, C]; n_valid [G] int32 or None: only
@@ -656,6 +657,9 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   denominator of a padding token is set to 0, which the scoring pass reads as "no
   contribution", and the sum is divided by the number of valid tokens instead of T (always
   the Triton passes: the Mosaic ones take no mask).
+  q_int8 / c_int8: with an int8 config, ``_int8_q(q)`` / ``_int8_c(centroids)`` made by the caller
+  (a hierarchical lookup quantizes q once for both levels, and the level-2 centroids before it
+  gathers the candidates); ``centroids`` may then be the int8 values.
   Returns avg [G, C] f32 (0 for empty clusters and rows past the bound).
   """
   hq, seq_len, d = q.shape
@@ -673,8 +677,8 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
     c_flat, n_flat = _flat_inputs(centroids, counts, dp)
     q_flat = cm.pad_axis(q, 2, dp).reshape(hq * seq_len, dp)
   else:   # int8 rows; each query row's multiplier = its scale x its head's centroid scale x log2(e) scale
-    qi, qs = _int8_q(q)                                           # [Hq, T, d], [Hq, T, 1]
-    ci, cs = _int8_c(centroids)                                   # [H, C, d], [H, 1, 1]
+    qi, qs = _int8_q(q) if q_int8 is None else q_int8            # [Hq, T, d], [Hq, T, 1]
+    ci, cs = _int8_c(centroids) if c_int8 is None else c_int8    # [H, C, d], [H, 1, 1]
     c_flat, n_flat = _flat_inputs(ci, counts, dp)
     q_flat = cm.pad_axis(qi, 2, dp).reshape(hq * seq_len, dp)
     mult = qs[..., 0] * jnp.repeat(cs[:, :, 0], hq // hkv, axis=0) * (scale * _LOG2E)

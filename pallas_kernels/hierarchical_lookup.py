@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as cm
-from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw, quantized_inputs,
-                                            decode_scores_from_raw, lookup_decode_raw,
-                                            lookup_prefill_scores)
+from pallas_kernels.centroid_lookup import (DEFAULT_PREFILL, CentroidLookupConfig, Level1Raw, _int8_c, _int8_q,
+                                            decode_scores_from_raw, lookup_decode_raw, lookup_prefill_scores,
+                                            quantized_inputs)
 from pallas_kernels._dispatch import resolve_backend
 
 __all__ = ["hierarchical_lookup_prefill", "hierarchical_lookup_decode", "hierarchical_scores",
@@ -131,13 +131,19 @@ def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg, q_valid=None):
   # Prefill: level 1 (Eq. 2) and its survivors; the candidates are gathered to the front
   # of a per-head copy of the level-2 centroids (a few MB), so that the same two passes
   # run over them with affine, pipelined loads and stop after the last one (Eq. 3).
-  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid)
+  # int8 logits: q quantized once for both levels; the level-2 centroids per KV head before the gather
+  # (the same scale: each head's copy holds all of its centroids), so the gather moves int8 rows
+  q8 = _int8_q(q) if cfg.prefill_int8 is not None else None
+  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid, q_int8=q8)
   cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)
   order, n_cand = _candidates_first(cand)                          # [Hs, C2], [Hs]
   rows = kvh[:, None]
-  cc = c2[rows, order]                                             # [Hs, C2, d]
+  c2_8 = _int8_c(c2) if q8 is not None else None
+  cc = (c2 if c2_8 is None else c2_8[0])[rows, order]              # [Hs, C2, d]
+  cc8 = None if c2_8 is None else (cc, c2_8[1][kvh])
   nc = jnp.where(jnp.arange(c2.shape[1])[None, :] < n_cand[:, None], n2[rows, order], 0)
-  s2c = lookup_prefill_scores(q, cc, nc, n_cand, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid)
+  s2c = lookup_prefill_scores(q, cc, nc, n_cand, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid,
+                              q_int8=q8, c_int8=cc8)
   s2 = jnp.zeros_like(s2c).at[jnp.arange(hs)[:, None], order].set(s2c)
   s2 = jnp.where(cand, s2, 0.0)
   return s2, s1, cand, (num_c1 + n_cand).astype(jnp.int32)

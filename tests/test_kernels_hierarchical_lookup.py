@@ -280,8 +280,8 @@ def test_prefill_mean_over_valid_tokens(rng, vote, pad):
 
 @pytest.mark.parametrize("vote", ["kv", "q"])
 def test_prefill_int8_logits_match_reference_over_quantized_inputs(rng, vote):
-  """prefill_int8 in both levels (the level-2 pass over the compacted candidates takes each head's scale over its
-  permuted copy, the same rows): the reference over the quantized q, c1, c2 gives the same candidates, scores and
+  """prefill_int8 in both levels (q quantized once for both; the level-2 centroids per KV head before the
+  candidates are gathered, the scale the reference takes over the same rows): the reference over the quantized q, c1, c2 gives the same candidates, scores and
   selection; backend="reference" with the config computes exactly that; decode ignores the option."""
   from pallas_kernels.centroid_lookup import quantized_inputs
   q, c1, n1, c2, n2, parent = make_inputs(rng, 8, 2, 21, 13, 90, 64, jnp.bfloat16)

@@ -326,13 +326,59 @@ def test_flash_fixed_part_in_key_splits(rng, splits):
   out, lse = fixed_plus_new(jnp.asarray(q), jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(n), jnp.asarray(kn),
                             jnp.asarray(vn), jnp.asarray(q_pos), jnp.asarray(kv_pos), scale=0.25,
                             implementation="xla", return_lse=True, kv_splits=splits)
-  g = hq // hs
+  _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, 0.25)
+
+
+def _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, scale):
+  """`fixed_plus_new`'s (out, lse) against float64 loops: head h sees its selection head's first n
+  fixed rows and the new slots j with 0 <= kv_pos[j] <= q_pos[i]; a row seeing nothing is 0, -inf."""
+  hq, t = q.shape[:2]
+  g = hq // ks.shape[0]
   for h in range(hq):
     for i in range(t):
-      vis = kv_pos <= q_pos[i]
+      vis = (kv_pos >= 0) & (kv_pos <= q_pos[i])
       keys = np.concatenate([ks[h // g, :n[h // g], 0], kn[h // g, vis]]).astype(np.float64)
       vals = np.concatenate([vs[h // g, :n[h // g], 0], vn[h // g, vis]]).astype(np.float64)
-      lg = 0.25 * keys @ q[h, i]
+      if not len(keys):
+        np.testing.assert_array_equal(np.asarray(out[h, i]), 0.0)
+        assert float(lse[h, i]) == -np.inf
+        continue
+      lg = scale * keys @ q[h, i]
       w = np.exp(lg - lg.max())
       np.testing.assert_allclose(np.asarray(out[h, i]), w @ vals / w.sum(), rtol=2e-5, atol=2e-5)
       np.testing.assert_allclose(float(lse[h, i]), lg.max() + np.log(w.sum()), rtol=2e-5, atol=2e-5)
+
+
+_P = 100
+_NEW_LAYOUTS = {   # name: (q_pos, kv_pos, causal mask takes it)
+    "own keys": (_P + np.arange(6), _P + np.arange(6), True),
+    "own keys, then empty slots (a cache)": (_P + np.arange(4), np.r_[_P + np.arange(4), [-1] * 5], True),
+    "the last 3 queries' own keys": (_P - 5 + np.arange(8), _P + np.arange(3), True),
+    "right padding": (np.r_[_P + np.arange(3), [-1, -1]], np.r_[_P + np.arange(3), [-1] * 3], True),
+    "left padding": (np.r_[[-1, -1], _P + np.arange(3)], np.r_[[-1, -1], _P + np.arange(3), [-1]], False),
+    "an earlier chunk first": (_P + np.arange(3), _P - 3 + np.arange(6), False),
+    "two equal positions": (np.r_[_P, _P, _P + 1], np.r_[_P, _P, _P + 1], False),
+    "shuffled": (_P + np.array([2, 0, 3, 1]), _P + np.array([1, 3, 0, 2]), False),
+    "no query sees a new key": (_P + np.arange(3), _P + 10 + np.arange(3), True),
+}
+
+
+@pytest.mark.parametrize("layout", list(_NEW_LAYOUTS))
+def test_new_part_causal_mask_when_positions_allow(rng, layout):
+  """`fixed_plus_new`'s new part: when every query sees exactly slots 0 .. i - (T - min(T, S)) it runs
+  under a causal mask (cuDNN skips the tiles above the diagonal), otherwise under the position mask;
+  both calls are made and the device picks, so every layout is exact. Heads with no fixed row make
+  the rows that see no new key see nothing at all."""
+  from pallas_kernels.sparse_attention import causal_alignment, fixed_plus_new
+
+  q_pos, kv_pos, aligned = (np.asarray(x, np.int32) if i < 2 else x for i, x in enumerate(_NEW_LAYOUTS[layout]))
+  assert bool(causal_alignment(jnp.asarray(q_pos), jnp.asarray(kv_pos))[2]) == aligned
+  hq, hs, lk, d = 8, 4, 16, 16
+  t, s_new = len(q_pos), len(kv_pos)
+  q = rng.normal(size=(hq, t, d)).astype(np.float32)
+  ks, vs = rng.normal(size=(2, hs, lk, 1, d)).astype(np.float32)
+  kn, vn = rng.normal(size=(2, hs, s_new, d)).astype(np.float32)
+  n = np.asarray([5, 0, 16, 0], np.int32)
+  out, lse = fixed_plus_new(*(jnp.asarray(x) for x in (q, ks, vs, n, kn, vn, q_pos, kv_pos)), scale=0.3,
+                            implementation="xla", return_lse=True)
+  _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, 0.3)

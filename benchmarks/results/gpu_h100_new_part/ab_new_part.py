@@ -13,6 +13,8 @@ Variants, each timed by a profiler trace (kernel busy ms per call) and by wall t
   new: N chunks       the queries in N chunks as batch entries, each with the key length up to its last visible
                       slot, plus the same mask (exact for any positions)
 Outputs are compared with "whole (current)" / "new: mask".
+Then the library's new part (`_new_part`) against the mask alone on three layouts: the block's own keys, the last
+T/4 queries' own keys (the speed suite's prefill rows), and a left-padded block (which takes the mask).
 """
 import json
 import sys
@@ -115,6 +117,47 @@ def main(out: Path, interpret: bool) -> int:
       print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
       if "kernels" in row:
         print("   ", row["kernels"][:4], flush=True)
+  # the library's new part (`_new_part`: the causal call when the positions allow it, else the position mask;
+  # both calls made, the one not taken over one row and one key) on three layouts, against the mask alone
+  from pallas_kernels.sparse_attention import _new_part
+  s_br = t // 4
+  layouts = {
+      "own keys (causal)": (qp, kp, slice(None)),
+      "the last T/4 queries' own keys, the speed suite's layout (causal)": (qp, qp[-s_br:], slice(0, s_br)),
+      "left padding, 64 tokens (position mask)": (jnp.where(jnp.arange(t) < 64, -1, qp),
+                                                  jnp.where(jnp.arange(t) < 64, -1, qp), slice(None)),
+  }
+  for rnd in range(2):
+    for lname, (qpl, kpl, sl) in layouts.items():
+      for kind in ("mask", "library"):
+        def fn(q, ks, vs, kn, vn, n, qp_, kp_, kind=kind, qpl=qpl, kpl=kpl, sl=sl):
+          kn, vn = kn[:, sl], vn[:, sl]
+          if kind == "mask":
+            return new_mask(q, ks, vs, kn, vn, n, qpl, kpl)
+          o, lse, has = _new_part(q, kn, vn, qpl, kpl, scale=scale, implementation=impl)
+          return o[None], lse[None], has
+        jf = jax.jit(fn)
+        o = jax.block_until_ready(jf(*sets[0]))
+        row = {"variant": f"{lname}: {kind}", "round": rnd}
+        if kind == "mask":
+          ref_m = o
+        elif rnd == 0:
+          has = np.asarray(o[2])[None, :, :, None]
+          a = np.where(has, np.asarray(o[0].astype(jnp.float32)), 0)
+          b = np.where(has, np.asarray(ref_m[0].astype(jnp.float32)), 0)
+          row["max_abs_vs_mask"] = float(np.max(np.abs(a - b)))
+          row["lse_max_abs_vs_mask"] = float(np.max(np.where(has[..., 0], np.abs(np.asarray(o[1]) - np.asarray(
+              ref_m[1])), 0)))
+          row["rows_seeing_a_new_key"] = int(np.sum(np.asarray(o[2])[0]))
+        row["wall_ms"] = time_ms(jf, sets, reps=10, inner=5)
+        prof = None if interpret else kernel_time_per_call(jf, sets, n=10)
+        if prof:
+          row["busy_ms"] = prof["busy_ms_per_call"]
+          row["kernels"] = [(k["name"][:60], round(k["ms_per_call"], 4), k["per_call"]) for k in prof["kernels"][:6]]
+        res["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        if "kernels" in row:
+          print("   ", row["kernels"][:4], flush=True)
   write_json(out / "ab_new_part.json", res)
   return 0
 
