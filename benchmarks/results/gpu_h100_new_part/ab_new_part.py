@@ -2,7 +2,10 @@
 compute the causal part, 4K query tokens (Llama-3-8B attention: 32 query heads, 8 KV heads, d = 128, bf16) over
 ~53K kept rows per KV head (the #8 prefill at 90%) and the block's own 4K keys.
 
-    python benchmarks/results/gpu_h100_new_part/ab_new_part.py OUT_DIR [--interpret]
+    python benchmarks/results/gpu_h100_new_part/ab_new_part.py OUT_DIR [--interpret] [--lens]
+
+--lens: instead, one cuDNN call over the new part with padding lengths (none, T, 1, 0, 64), with the position mask
+as a bias or under the causal mask: what the call `_new_part` does not take costs.
 
 Variants, each timed by a profiler trace (kernel busy ms per call) and by wall time (median), two input sets:
   whole (current)     `fixed_plus_new` as the library runs it: the fixed part, then the new part with its
@@ -90,6 +93,38 @@ def main(out: Path, interpret: bool) -> int:
                                 layout="BNTH")
       return o.swapaxes(0, 1).reshape(hq, t, d), lse.swapaxes(0, 1).reshape(hq, t)
     return f
+
+  def lens_call(causal, bias, ql, kl):   # one cuDNN call with padding lengths ql, kl (None: no padding)
+    def f(q, ks, vs, kn, vn, n, qp, kp):
+      vis = (kp >= 0)[None, :] & (kp[None, :] <= qp[:, None])
+      one = jnp.ones((1,), jnp.int32)
+      return _dense_attention(q[None], kn[None], vn[None], mask=vis[None, None] if bias else None, causal=causal,
+                              q_len=None if ql is None else ql * one, kv_len=None if kl is None else kl * one,
+                              scale=scale, implementation=impl, layout="BNTH")
+    return f
+
+  if "--lens" in sys.argv:   # what a call costs with cuDNN's padding lengths (the call `_new_part` does not take)
+    variants = {f"{'causal' if c else 'bias'}, lengths {ql}/{kl}": lens_call(c, not c, ql, kl)
+                for c, ql, kl in ((False, None, None), (False, t, t), (False, 1, 1), (False, 0, 0), (False, 64, 64),
+                                  (True, None, None), (True, t, t), (True, 1, 1), (True, 0, 0))}
+    res = {"meta": metadata(), "shapes": {"Hq": hq, "Hkv": hkv, "d": d, "T": t}, "dtype": "bfloat16", "rows": []}
+    for name, fn in variants.items():
+      jf = jax.jit(fn)
+      row = {"variant": name}
+      try:
+        o = jax.block_until_ready(jf(*sets[0]))
+        row["finite_rows"] = int(np.sum(np.isfinite(np.asarray(o[1]))))
+        row["wall_ms"] = time_ms(jf, sets, reps=10, inner=5)
+        prof = None if interpret else kernel_time_per_call(jf, sets, n=10)
+        if prof:
+          row["busy_ms"] = prof["busy_ms_per_call"]
+          row["kernels"] = [(k["name"][:60], round(k["ms_per_call"], 4), k["per_call"]) for k in prof["kernels"][:6]]
+      except Exception as e:  # noqa: BLE001
+        row["error"] = str(e)[:300]
+      res["rows"].append(row)
+      print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+    write_json(out / "ab_lens.json", res)
+    return 0
 
   variants = {"whole (current)": whole, "fixed part": fixed, "new: mask": new_mask, "new: causal": new_causal,
               "new: 4 chunks": new_chunks(4), "new: 8 chunks": new_chunks(8)}

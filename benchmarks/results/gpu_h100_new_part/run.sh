@@ -1,5 +1,5 @@
 #!/bin/bash
-# `run.sh ab`: the new-part A/B (ab_new_part.py); `run.sh int8|bf16`: the #8 prefill rows at 512K through the library
+# `run.sh ab`: the new-part A/B (ab_new_part.py); `run.sh lens`: its --lens mode; `run.sh int8|bf16`: the #8 prefill rows at 512K through the library
 # path (`speed`, with `--lookup-int8` for int8), cuDNN measured in the same run; `run.sh checks`: the compiled checks.
 # Several words run in order.
 export SQJAX_GIT_COMMIT=$(cat .scratch/commit 2>/dev/null)
@@ -10,6 +10,9 @@ for w in "$@"; do
     ab)
       timeout 300 env PYTHONPATH=. python benchmarks/results/gpu_h100_new_part/ab_new_part.py $OUT/ab > $OUT/ab/log.txt 2>&1
       echo "ab rc $?"; grep -v Warning $OUT/ab/log.txt | grep '^{' ;;
+    lens)
+      timeout 200 env PYTHONPATH=. python benchmarks/results/gpu_h100_new_part/ab_new_part.py $OUT/lens --lens > $OUT/lens/log.txt 2>&1
+      echo "lens rc $?"; grep -v Warning $OUT/lens/log.txt | grep '^{' ;;
     int8|bf16)
       flag=$([ $w = int8 ] && echo --lookup-int8)
       timeout 280 python -m benchmarks.speed --only-kernels --lengths 524288 --phases prefill --sparsities 0.9 --shapes 32x8 --budget-s 240 $flag --out $OUT/$w > $OUT/$w/log.txt 2>&1
