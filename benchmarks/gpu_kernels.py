@@ -211,7 +211,10 @@ def calibrate_threshold(scores, counts_for_rows, keep):
 # ----------------------------------------------------------------------------
 # (a) Correctness checks.
 # ----------------------------------------------------------------------------
-def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poison):
+def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poison, causal_new=False):
+  """Random check inputs; the new part's slots 20% empty, query i seeing slots 0..i. ``causal_new``:
+  instead the layout a block's own keys have (no empty slot among them; T > S: the last S queries are
+  the slots), which the dense prefill paths run under cuDNN's causal mask."""
   q = rng.normal(size=(hq, seq_len, d))
   k = rng.normal(size=(hkv, num_l, d))
   v = rng.normal(size=(hkv, num_l, d))
@@ -234,6 +237,9 @@ def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poi
   kvp = num_l + np.arange(num_s)
   kvp[rng.random(num_s) < 0.2] = -1
   qp = num_l + max(num_s - seq_len, 0) + np.arange(seq_len)
+  if causal_new:
+    kvp = num_l + np.where(np.arange(num_s) < seq_len, np.arange(num_s), -1 - num_l)
+    qp = num_l + min(num_s - seq_len, 0) + np.arange(seq_len)
   b = lambda x: jnp.asarray(x, BF16)
   i = lambda x: jnp.asarray(x, jnp.int32)
   return dict(q=b(q), k=b(k), v=b(v), cent=b(cent), ccnt=i(ccnt), idx=i(idx), counts=i(counts),
@@ -288,8 +294,8 @@ def run_checks(plan: Plan, log) -> list[dict]:
     err = rel_err(sc, ref)
     return (err if flips == 0 else float("inf")), {"selection_flips": flips}
 
-  def attn_case(seq_len_, hs, poison, fn=sparse_attention, **kw):
-    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hs, poison=poison)
+  def attn_case(seq_len_, hs, poison, fn=sparse_attention, causal_new=False, **kw):
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hs, poison=poison, causal_new=causal_new)
     args = (x["q"], x["k"], x["v"], x["idx"], x["counts"], x["kn"], x["vn"], x["qp"], x["kvp"])
     out, lse = fn(*args, scale=scale, return_lse=True, backend=be, **kw)
     ref, rlse = sparse_attention_reference(*args, scale=scale, return_lse=True)
@@ -352,8 +358,8 @@ def run_checks(plan: Plan, log) -> list[dict]:
     out = saap_attention(*args, **kw, backend=be)
     return rel_err(out, saap_attention_reference(*args, **kw)), {}
 
-  def dense_case(seq_len_, fn=dense_decode_attention):
-    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hkv, poison=False)
+  def dense_case(seq_len_, fn=dense_decode_attention, causal_new=False):
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hkv, poison=False, causal_new=causal_new)
     args = (x["q"], x["k"], x["v"], x["kn"], x["vn"], x["qp"], x["kvp"])
     out, lse = fn(*args, scale=scale, return_lse=True, backend=be)
     ref, rlse = dense_attention_reference(*args, scale=scale, return_lse=True)
@@ -364,6 +370,8 @@ def run_checks(plan: Plan, log) -> list[dict]:
   check("dense split-KV prefill block", lambda: dense_case(seq_len), ta)
   check("dense flash prefill block (cuDNN over the fixed K/V in place)",
         lambda: dense_case(seq_len, dense_prefill_attention), 3e-2)
+  check("dense flash prefill block, the block's own keys (causal mask)",
+        lambda: dense_case(seq_len, dense_prefill_attention, causal_new=True), 3e-2)
 
   def flash_splits_case():
     # the prefill fast paths' fixed part in key chunks with per-head key counts (one head with no
@@ -394,6 +402,8 @@ def run_checks(plan: Plan, log) -> list[dict]:
   check("sparse_attention prefill Hs=Hkv poisoned", lambda: attn_case(seq_len, hkv, True), ta)
   check("gather_then_dense prefill Hs=Hkv", lambda: attn_case(
       seq_len, hkv, True, fn=gather_then_dense_attention), 3e-2)
+  check("gather_then_dense prefill Hs=Hkv, the block's own keys (causal mask)", lambda: attn_case(
+      seq_len, hkv, True, fn=gather_then_dense_attention, causal_new=True), 3e-2)
   check("gather_live_rows Hs=Hq (exact copy)", lambda: gather_case(hq), 0.0)
   if plan.checks == "full":
     check("centroid_lookup_prefill vote=q", lambda: lookup_case("q", True), tl)

@@ -343,45 +343,51 @@ def causal_alignment(q_pos, kv_pos_new):
   return vis, has, jnp.all((vis == diag) | ~has[:, None])
 
 
-def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation):
+def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, try_causal=True):
   """Attention of q [Hq, T, d] over the new part k_new, v_new [Hkv, S, d] by positions (slot j visible
   to query i iff 0 <= kv_pos_new[j] <= q_pos[i]) -> (o [Hq, T, d], lse [Hq, T] f32, has [Hq, T]: the
   query sees some new key; o and lse are meaningless where it does not).
 
   A block of tokens usually attends its own keys, in order: with m = min(T, S), the last m queries
-  are slots 0..m-1 and see them causally (query T-m+i sees slots 0..i), nothing else is visible.
-  Then cuDNN's causal mask computes it and skips the tiles above the diagonal (4K tokens over their
-  own 4K keys: 0.26 against 0.79 ms with the position mask as a bias, H100,
-  benchmarks/results/gpu_h100_new_part). Whether the positions say so is checked on the device and
-  both calls are made, the one not taken with a single query row and key (cuDNN's padding lengths),
-  so the result is exact for any positions, with no host round trip."""
+  are slots 0..m-1 and see them causally (query T-m+i sees slots 0..i), nothing else is visible
+  (`causal_alignment`). cuDNN's causal mask computes that and skips the tiles above the diagonal:
+  4K tokens over their own 4K keys take 0.28 ms against 0.80 ms with the position mask as a bias
+  (H100, benchmarks/results/gpu_h100_new_part). ``try_causal``: the alignment is checked on the
+  device and both calls are made, the one not taken with zero-length padding (cuDNN then runs
+  none of its tiles: 0.02 / 0.04 ms), so the result is exact for any positions with no host round
+  trip. The price falls on blocks that are not aligned (a left-padded batch row): cuDNN's masked
+  call with padding lengths takes 1.03 instead of 0.80 ms there, so callers that expect padding
+  pass ``try_causal=False`` and get the position mask alone."""
   hq, seq_len, _ = q.shape
   num_s = k_new.shape[1]
   vis, has, aligned = causal_alignment(q_pos, kv_pos_new)
+  has = jnp.broadcast_to(has[None, :], (hq, seq_len))
+  slot = (kv_pos_new >= 0)[None, :, None]                                      # empty slots -> 0
+  masked = functools.partial(_dense_attention, q[None], jnp.where(slot, k_new, 0)[None],
+                             jnp.where(slot, v_new, 0)[None], mask=vis[None, None], scale=scale,
+                             implementation=implementation, layout="BNTH")      # [1, Hq, T, d], [1, Hq, T]
+  if not try_causal:
+    o_m, lse_m = masked(kv_len=None)
+    return o_m[0], lse_m[0], has
   m = min(seq_len, num_s)
   off = seq_len - m
-  one = jnp.ones((1,), jnp.int32)
+  on = lambda n: jnp.where(aligned, n, 0).reshape(1).astype(jnp.int32)         # noqa: E731
+  off_ = lambda n: jnp.where(aligned, 0, n).reshape(1).astype(jnp.int32)       # noqa: E731
   o_c, lse_c = _dense_attention(
       q[None, :, off:], k_new[None, :, :m], v_new[None, :, :m], mask=None, causal=True, scale=scale,
-      q_len=jnp.where(aligned, m, one), kv_len=jnp.where(aligned, m, one), implementation=implementation,
-      layout="BNTH")                                                           # [1, Hq, m, d], [1, Hq, m]
-  slot = (kv_pos_new >= 0)[None, :, None]                                      # empty slots -> 0
-  o_m, lse_m = _dense_attention(
-      q[None], jnp.where(slot, k_new, 0)[None], jnp.where(slot, v_new, 0)[None], mask=vis[None, None],
-      q_len=jnp.where(aligned, one, seq_len), kv_len=jnp.where(aligned, one, num_s), scale=scale,
-      implementation=implementation, layout="BNTH")                            # [1, Hq, T, d], [1, Hq, T]
+      q_len=on(m), kv_len=on(m), implementation=implementation, layout="BNTH")  # [1, Hq, m, d], [1, Hq, m]
+  o_m, lse_m = masked(q_len=off_(seq_len), kv_len=off_(num_s))
   o_c = jnp.pad(o_c[0], ((0, 0), (off, 0), (0, 0)))
   lse_c = jnp.pad(lse_c[0], ((0, 0), (off, 0)), constant_values=-jnp.inf)
-  o = jnp.where(aligned, o_c, o_m[0])
-  lse = jnp.where(aligned, lse_c, lse_m[0])
-  return o, lse, jnp.broadcast_to(has[None, :], (hq, seq_len))
+  return jnp.where(aligned, o_c, o_m[0]), jnp.where(aligned, lse_c, lse_m[0]), has
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact", "try_causal"))
 def gather_then_dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, counts: jax.Array,
     k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, kv_pos_new: jax.Array, *,
-    scale: float, return_lse: bool = False, backend: str = "auto", compact: bool = False):
+    scale: float, return_lse: bool = False, backend: str = "auto", compact: bool = False,
+    try_causal: bool = True):
   """Same result as ``sparse_attention`` by a different route (prefill fast path).
 
   Compacts each selection head's valid entries (O(cap) cumsum + scatter; skipped with
@@ -391,8 +397,9 @@ def gather_then_dense_attention(
   (``gather_live_rows``), runs dense attention over them with per-head key lengths --
   the ``r = Hq / Hs`` query heads of a selection head folded into the query axis
   (``[Hs, r T, 1, d]``: a free reshape, no transposes) --, runs dense attention over the
-  new part with the causal position mask (``[1, Hq, T, d]`` against ``[1, Hkv, S, d]`` in
-  cuDNN's BNTH layout: no transposes either), and merges both by log-sum-exp.  Same
+  new part by positions (``[1, Hq, T, d]`` against ``[1, Hkv, S, d]`` in cuDNN's BNTH layout: no
+  transposes either; under cuDNN's causal mask when the positions allow it and ``try_causal``, see
+  `_new_part`), and merges both by log-sum-exp.  Same
   conventions as ``sparse_attention`` (duplicates counted).
 
   backend: "pallas" (and "auto" on GPU) = cuDNN flash attention
@@ -419,7 +426,7 @@ def gather_then_dense_attention(
     ks, vs = jnp.where(live, ks, 0), jnp.where(live, vs, 0)
   ks, vs = (ks[:, :, None], vs[:, :, None]) if cap else (ks[:, :0, None], vs[:, :0, None])
   return fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=impl,
-                        return_lse=return_lse)
+                        return_lse=return_lse, try_causal=try_causal)
 
 
 FLASH_ROWS = 128        # query rows per flash-attention program (cuDNN's tile on Hopper)
@@ -464,11 +471,11 @@ def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation):
 
 
 def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, return_lse,
-                   kv_splits=None):
+                   kv_splits=None, try_causal=True):
   """Dense attention (cuDNN or XLA) of q [Hq, T, d] over a fixed part ks, vs [Hs, Lk, 1, d]
   (BTNH; the first ``n[s]`` rows of selection head s, or all ``Lk`` if n is None; in ``kv_splits``
   contiguous chunks, None = ``flash_kv_splits``) and over the causal new part, merged by
-  log-sum-exp -> o [Hq, T, d] in q's dtype (, lse [Hq, T] f32)."""
+  log-sum-exp -> o [Hq, T, d] in q's dtype (, lse [Hq, T] f32). ``try_causal``: see `_new_part`."""
   hq, seq_len, d = q.shape
   hs, lk = ks.shape[:2]
   num_s = k_new.shape[1]
@@ -482,7 +489,8 @@ def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, impl
     o1, lse1 = _flash_fixed(qs, ks, vs, n, scale=scale, splits=splits, implementation=implementation)
     parts.append((o1.reshape(hq, seq_len, d), lse1.reshape(hq, seq_len), jnp.isfinite(lse1.reshape(hq, seq_len))))
   if num_s:
-    parts.append(_new_part(q, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=implementation))
+    parts.append(_new_part(q, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=implementation,
+                           try_causal=try_causal))
   if not parts:
     out, lse = jnp.zeros((hq, seq_len, d), q.dtype), jnp.full((hq, seq_len), -jnp.inf)
     return (out, lse) if return_lse else out

@@ -91,7 +91,7 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
                   q_valid=q_valid, config=_prefill_config(int8))   # int8: blocks only (the caller's rule)
 
 
-def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float):
+def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float, *, try_causal: bool = True):
     """Exact attention over a selection of the fixed context + the causal user input.
 
     Dense selections (mask None: full attention, dense layers) go to the split-KV dense kernel
@@ -99,13 +99,16 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel,
     QUEST's pages and SAAP's buckets (decode) to their kernels;
     masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
+    try_causal: a block's new part under cuDNN's causal mask when its positions allow it (checked on
+    the device; exact either way); False for left-padded blocks, which never allow it
+    (`pallas_kernels.sparse_attention._new_part`).
     """
     b = resolved()
     ret = selection.retrieval
     if b != "reference" and ret is None and selection.mask is None:
         # dense (full attention, a method's dense layers) over the contiguous fixed context, never
         # concatenated with the new keys and never cast to f32
-        return _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b)
+        return _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, try_causal=try_causal)
     if b == "reference" or ret is None:
         return fixed_context_attention(q, k_fixed, v_fixed, selection.mask, k_new, v_new, q_pos, kv_pos, scale)
     from pallas_kernels import gather_then_dense_attention, quest_decode_attention, saap_attention, sparse_attention
@@ -122,20 +125,24 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
         # prefill: gather the retrieved rows compactly, then cuDNN (1.9x faster than the
         # in-kernel gather for 4K queries over 512K on an H200: benchmarks/results/gpu_h200_first)
         return gather_then_dense_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
-                                           scale=scale, backend=b, compact=True)  # retrieve() builds it compact
+                                           scale=scale, backend=b, compact=True,  # retrieve() builds it compact
+                                           try_causal=try_causal)
     return sparse_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
                             scale=scale, backend=b)
 
 
-def _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, return_lse=False):
+def _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, return_lse=False, try_causal=True):
     """Dense attention on a Pallas backend: split-KV Flash-Decoding for decode steps (a few rows per
     KV head: the fixed context is read once), flash attention (cuDNN on GPU) for blocks of tokens
     in bf16/f16 (the split-KV kernel would read the fixed context once per block of rows)."""
     from pallas_kernels import dense_decode_attention, dense_prefill_attention
 
     flash = q.shape[1] > 1 and q.dtype in (jnp.bfloat16, jnp.float16)
-    fn = dense_prefill_attention if flash else dense_decode_attention
-    return fn(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, return_lse=return_lse, backend=b)
+    if flash:
+        return dense_prefill_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale,
+                                       return_lse=return_lse, backend=b, try_causal=try_causal)
+    return dense_decode_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, return_lse=return_lse,
+                                  backend=b)
 
 
 def dense_attention_batched(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale: float):

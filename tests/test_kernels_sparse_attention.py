@@ -363,12 +363,14 @@ _NEW_LAYOUTS = {   # name: (q_pos, kv_pos, causal mask takes it)
 }
 
 
+@pytest.mark.parametrize("try_causal", [True, False])
 @pytest.mark.parametrize("layout", list(_NEW_LAYOUTS))
-def test_new_part_causal_mask_when_positions_allow(rng, layout):
+def test_new_part_causal_mask_when_positions_allow(rng, layout, try_causal):
   """`fixed_plus_new`'s new part: when every query sees exactly slots 0 .. i - (T - min(T, S)) it runs
   under a causal mask (cuDNN skips the tiles above the diagonal), otherwise under the position mask;
-  both calls are made and the device picks, so every layout is exact. Heads with no fixed row make
-  the rows that see no new key see nothing at all."""
+  both calls are made (the other with zero-length padding) and the device picks, so every layout is
+  exact; ``try_causal=False`` makes the position-mask call alone. Heads with no fixed row make the
+  rows that see no new key see nothing at all."""
   from pallas_kernels.sparse_attention import causal_alignment, fixed_plus_new
 
   q_pos, kv_pos, aligned = (np.asarray(x, np.int32) if i < 2 else x for i, x in enumerate(_NEW_LAYOUTS[layout]))
@@ -380,5 +382,5 @@ def test_new_part_causal_mask_when_positions_allow(rng, layout):
   kn, vn = rng.normal(size=(2, hs, s_new, d)).astype(np.float32)
   n = np.asarray([5, 0, 16, 0], np.int32)
   out, lse = fixed_plus_new(*(jnp.asarray(x) for x in (q, ks, vs, n, kn, vn, q_pos, kv_pos)), scale=0.3,
-                            implementation="xla", return_lse=True)
+                            implementation="xla", return_lse=True, try_causal=try_causal)
   _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, 0.3)
