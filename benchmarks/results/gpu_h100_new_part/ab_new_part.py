@@ -103,6 +103,16 @@ def main(out: Path, interpret: bool) -> int:
                               scale=scale, implementation=impl, layout="BNTH")
     return f
 
+  def timed(jf, row):   # wall ms (median) and the profiled kernel busy ms per call into row; print it
+    row["wall_ms"] = time_ms(jf, sets, reps=10, inner=5)
+    prof = None if interpret else kernel_time_per_call(jf, sets, n=10)
+    if prof:
+      row["busy_ms"] = prof["busy_ms_per_call"]
+      row["kernels"] = [(k["name"][:60], round(k["ms_per_call"], 4), k["per_call"]) for k in prof["kernels"][:6]]
+    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+    if "kernels" in row:
+      print("   ", row["kernels"][:4], flush=True)
+
   if "--lens" in sys.argv:   # what a call costs with cuDNN's padding lengths (the call `_new_part` does not take)
     variants = {f"{'causal' if c else 'bias'}, lengths {ql}/{kl}": lens_call(c, not c, ql, kl)
                 for c, ql, kl in ((False, None, None), (False, t, t), (False, 1, 1), (False, 0, 0), (False, 64, 64),
@@ -114,15 +124,11 @@ def main(out: Path, interpret: bool) -> int:
       try:
         o = jax.block_until_ready(jf(*sets[0]))
         row["finite_rows"] = int(np.sum(np.isfinite(np.asarray(o[1]))))
-        row["wall_ms"] = time_ms(jf, sets, reps=10, inner=5)
-        prof = None if interpret else kernel_time_per_call(jf, sets, n=10)
-        if prof:
-          row["busy_ms"] = prof["busy_ms_per_call"]
-          row["kernels"] = [(k["name"][:60], round(k["ms_per_call"], 4), k["per_call"]) for k in prof["kernels"][:6]]
+        timed(jf, row)
       except Exception as e:  # noqa: BLE001
         row["error"] = str(e)[:300]
+        print(json.dumps(row), flush=True)
       res["rows"].append(row)
-      print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
     write_json(out / "ab_lens.json", res)
     return 0
 
@@ -143,17 +149,10 @@ def main(out: Path, interpret: bool) -> int:
           a, b = o[0].reshape(hq, t, d).astype(jnp.float32), ref["new: mask"][0].reshape(hq, t, d).astype(jnp.float32)
           row["max_abs_vs_mask"] = float(jnp.max(jnp.abs(a - b)))
           row["lse_max_abs_vs_mask"] = float(jnp.max(jnp.abs(o[1].reshape(hq, t) - ref["new: mask"][1].reshape(hq, t))))
-      row["wall_ms"] = time_ms(jf, sets, reps=10, inner=5)
-      prof = None if interpret else kernel_time_per_call(jf, sets, n=10)
-      if prof:
-        row["busy_ms"] = prof["busy_ms_per_call"]
-        row["kernels"] = [(k["name"][:60], round(k["ms_per_call"], 4), k["per_call"]) for k in prof["kernels"][:6]]
+      timed(jf, row)
       res["rows"].append(row)
-      print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
-      if "kernels" in row:
-        print("   ", row["kernels"][:4], flush=True)
   # the library's new part (`_new_part`: the causal call when the positions allow it, else the position mask;
-  # both calls made, the one not taken over one row and one key) on three layouts, against the mask alone
+  # both calls made, the one not taken with zero-length padding) on three layouts, against the mask alone
   from pallas_kernels.sparse_attention import _new_part
   s_br = t // 4
   layouts = {
@@ -184,15 +183,8 @@ def main(out: Path, interpret: bool) -> int:
           row["lse_max_abs_vs_mask"] = float(np.max(np.where(has[..., 0], np.abs(np.asarray(o[1]) - np.asarray(
               ref_m[1])), 0)))
           row["rows_seeing_a_new_key"] = int(np.sum(np.asarray(o[2])[0]))
-        row["wall_ms"] = time_ms(jf, sets, reps=10, inner=5)
-        prof = None if interpret else kernel_time_per_call(jf, sets, n=10)
-        if prof:
-          row["busy_ms"] = prof["busy_ms_per_call"]
-          row["kernels"] = [(k["name"][:60], round(k["ms_per_call"], 4), k["per_call"]) for k in prof["kernels"][:6]]
+        timed(jf, row)
         res["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
-        if "kernels" in row:
-          print("   ", row["kernels"][:4], flush=True)
   write_json(out / "ab_new_part.json", res)
   return 0
 
