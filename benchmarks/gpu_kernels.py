@@ -214,7 +214,8 @@ def calibrate_threshold(scores, counts_for_rows, keep):
 def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poison, causal_new=False):
   """Random check inputs; the new part's slots 20% empty, query i seeing slots 0..i. ``causal_new``:
   instead the layout a block's own keys have (no empty slot among them; T > S: the last S queries are
-  the slots), which the dense prefill paths run under cuDNN's causal mask."""
+  the slots), which the dense prefill paths run under cuDNN's causal mask; "left": that layout with
+  its first 5 queries and slots padding (``new_part="causal_left_padded"``)."""
   q = rng.normal(size=(hq, seq_len, d))
   k = rng.normal(size=(hkv, num_l, d))
   v = rng.normal(size=(hkv, num_l, d))
@@ -240,6 +241,10 @@ def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poi
   if causal_new:
     kvp = num_l + np.where(np.arange(num_s) < seq_len, np.arange(num_s), -1 - num_l)
     qp = num_l + min(num_s - seq_len, 0) + np.arange(seq_len)
+  if causal_new == "left":   # and the causal square's first 5 rows and slots padding (a left-padded question)
+    off = seq_len - min(seq_len, num_s)
+    qp[off:off + 5] = -1
+    kvp[:5] = -1
   b = lambda x: jnp.asarray(x, BF16)
   i = lambda x: jnp.asarray(x, jnp.int32)
   return dict(q=b(q), k=b(k), v=b(v), cent=b(cent), ccnt=i(ccnt), idx=i(idx), counts=i(counts),
@@ -358,10 +363,10 @@ def run_checks(plan: Plan, log) -> list[dict]:
     out = saap_attention(*args, **kw, backend=be)
     return rel_err(out, saap_attention_reference(*args, **kw)), {}
 
-  def dense_case(seq_len_, fn=dense_decode_attention, causal_new=False):
+  def dense_case(seq_len_, fn=dense_decode_attention, causal_new=False, **kw):
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hkv, poison=False, causal_new=causal_new)
     args = (x["q"], x["k"], x["v"], x["kn"], x["vn"], x["qp"], x["kvp"])
-    out, lse = fn(*args, scale=scale, return_lse=True, backend=be)
+    out, lse = fn(*args, scale=scale, return_lse=True, backend=be, **kw)
     ref, rlse = dense_attention_reference(*args, scale=scale, return_lse=True)
     return rel_err(out, ref), {"lse_err": rel_err(lse, rlse)}
 
@@ -372,6 +377,8 @@ def run_checks(plan: Plan, log) -> list[dict]:
         lambda: dense_case(seq_len, dense_prefill_attention), 3e-2)
   check("dense flash prefill block, the block's own keys (causal mask)",
         lambda: dense_case(seq_len, dense_prefill_attention, causal_new=True), 3e-2)
+  check("dense flash prefill block, a left-padded block's own keys (rolled causal mask)",
+        lambda: dense_case(seq_len, dense_prefill_attention, causal_new="left", new_part="causal_left_padded"), 3e-2)
 
   def flash_splits_case():
     # the prefill fast paths' fixed part in key chunks with per-head key counts (one head with no

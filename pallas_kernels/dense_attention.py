@@ -101,7 +101,7 @@ def dense_decode_attention(
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "kv_splits", "try_causal"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "kv_splits", "new_part"))
 def dense_prefill_attention(
     q: jax.Array,            # [Hq, T, d] a block of query tokens
     k: jax.Array,            # [Hkv, L, d] fixed context
@@ -115,14 +115,14 @@ def dense_prefill_attention(
     return_lse: bool = False,
     backend: str = "auto",
     kv_splits: int | None = None,
-    try_causal: bool = True,
+    new_part: str = "causal",
 ):
   """The same result as ``dense_decode_attention`` by flash attention, for blocks of many
   tokens: the split-KV kernel reads the fixed K/V once per block of query rows, which for a
   prefill block is many times; flash attention is compute-bound there.  The fixed part (no mask,
   the fixed K/V read in place, never gathered nor concatenated with the new keys; in ``kv_splits``
   contiguous chunks, None = ``sparse_attention.flash_kv_splits``) and the causal new part apart,
-  merged by log-sum-exp (``sparse_attention.fixed_plus_new``; ``try_causal``: the new part under
+  merged by log-sum-exp (``sparse_attention.fixed_plus_new``; ``new_part``: the new part under
   cuDNN's causal mask when its positions allow it, see ``sparse_attention._new_part``).
 
   backend: "pallas" (and "auto" on GPU) = cuDNN (bf16/f16 only); "interpret" = the same
@@ -144,4 +144,4 @@ def dense_prefill_attention(
     raise ValueError(f"kv_splits must be a positive divisor of L={num_l}; got {kv_splits}")
   return fixed_plus_new(q, k[:, :, None], v[:, :, None], None, k_new, v_new, q_pos, kv_pos_new, scale=scale,
                         implementation="cudnn" if be == "pallas" else "xla", return_lse=return_lse,
-                        kv_splits=kv_splits, try_causal=try_causal)
+                        kv_splits=kv_splits, new_part=new_part)

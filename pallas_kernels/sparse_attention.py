@@ -331,19 +331,31 @@ def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation, 
   return swap(out), swap(lse.astype(jnp.float32))
 
 
-def causal_alignment(q_pos, kv_pos_new):
-  """(vis [T, S]: slot j visible to query i, i.e. 0 <= kv_pos_new[j] <= q_pos[i]; has [T]: query i sees
-  a slot; aligned: with m = min(T, S), what query i sees is exactly slots 0 .. i - (T - m), for every
-  query that sees any) -- the case `_new_part` hands to a causal mask."""
+NEW_PART_MODES = ("causal", "causal_left_padded", "mask")
+
+
+def causal_alignment(q_pos, kv_pos_new, left_padded: bool = False):
+  """Whether a block's new part is its own keys in order, the case `_new_part` hands to a causal mask.
+
+  With m = min(T, S), the causal square is queries T-m .. T-1 against slots 0 .. m-1; ``left_padded``:
+  its first p rows (p = the square's leading queries at position -1) are padding, and query T-m+p+i
+  should see exactly slots p .. p+i (the square rolled by p has its padding at the end, where cuDNN's
+  padding lengths drop it). -> (vis [T, S]: slot j visible to query i, i.e. 0 <= kv_pos_new[j] <=
+  q_pos[i]; has [T]: query i sees a slot; aligned: every query that sees any sees exactly what the
+  (rolled) causal square gives it; p: int32 scalar, 0 unless ``left_padded``)."""
   seq_len, num_s = q_pos.shape[0], kv_pos_new.shape[0]
   vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])
   has = jnp.any(vis, axis=1)
-  off = seq_len - min(seq_len, num_s)
-  diag = jnp.arange(num_s)[None, :] <= jnp.arange(seq_len)[:, None] - off   # (j < m follows)
-  return vis, has, jnp.all((vis == diag) | ~has[:, None])
+  m = min(seq_len, num_s)
+  off = seq_len - m
+  p = jnp.argmax(q_pos[off:] >= 0).astype(jnp.int32) if left_padded else jnp.int32(0)
+  i, j = jnp.arange(seq_len)[:, None], jnp.arange(num_s)[None, :]
+  ir, jr = (i - off - p) % m, (j - p) % m                 # rolled row (square) and slot indices
+  expect = (i >= off) & (j < m) & (ir < m - p) & (jr <= ir)
+  return vis, has, jnp.all((vis == expect) | ~has[:, None]), p
 
 
-def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, try_causal=True):
+def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, new_part="causal"):
   """Attention of q [Hq, T, d] over the new part k_new, v_new [Hkv, S, d] by positions (slot j visible
   to query i iff 0 <= kv_pos_new[j] <= q_pos[i]) -> (o [Hq, T, d], lse [Hq, T] f32, has [Hq, T]: the
   query sees some new key; o and lse are meaningless where it does not).
@@ -352,42 +364,55 @@ def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, try_
   are slots 0..m-1 and see them causally (query T-m+i sees slots 0..i), nothing else is visible
   (`causal_alignment`). cuDNN's causal mask computes that and skips the tiles above the diagonal:
   4K tokens over their own 4K keys take 0.28 ms against 0.80 ms with the position mask as a bias
-  (H100, benchmarks/results/gpu_h100_new_part). ``try_causal``: the alignment is checked on the
-  device and both calls are made, the one not taken with zero-length padding (cuDNN then runs
-  none of its tiles: 0.02 / 0.04 ms), so the result is exact for any positions with no host round
-  trip. The price falls on blocks that are not aligned (a left-padded batch row): cuDNN's masked
-  call with padding lengths takes 1.03 instead of 0.80 ms there, so callers that expect padding
-  pass ``try_causal=False`` and get the position mask alone."""
+  (H100, benchmarks/results/gpu_h100_new_part).
+
+  new_part: "causal": the alignment is checked on the device and both calls are made, the one not
+  taken with zero-length padding (cuDNN then runs none of its tiles: 0.02 / 0.04 ms), so the result
+  is exact for any positions with no host round trip. A block that is not aligned pays for it: cuDNN's
+  masked call with padding lengths takes 1.03 instead of 0.80 ms. "causal_left_padded": the same
+  for left-padded blocks (a question padded to a bucket length): the causal square is rolled by its
+  padding rows before the call and back after (two gathers of q's and the output's size).
+  "mask": the position mask alone."""
+  if new_part not in NEW_PART_MODES:
+    raise ValueError(f"new_part must be one of {NEW_PART_MODES}, got {new_part!r}")
   hq, seq_len, _ = q.shape
   num_s = k_new.shape[1]
-  vis, has, aligned = causal_alignment(q_pos, kv_pos_new)
+  vis, has, aligned, p = causal_alignment(q_pos, kv_pos_new, new_part == "causal_left_padded")
   has = jnp.broadcast_to(has[None, :], (hq, seq_len))
   slot = (kv_pos_new >= 0)[None, :, None]                                      # empty slots -> 0
   masked = functools.partial(_dense_attention, q[None], jnp.where(slot, k_new, 0)[None],
                              jnp.where(slot, v_new, 0)[None], mask=vis[None, None], scale=scale,
                              implementation=implementation, layout="BNTH")      # [1, Hq, T, d], [1, Hq, T]
-  if not try_causal:
+  if new_part == "mask":
     o_m, lse_m = masked(kv_len=None)
     return o_m[0], lse_m[0], has
   m = min(seq_len, num_s)
   off = seq_len - m
+  qc, kc, vc = q[:, off:], k_new[:, :m], v_new[:, :m]                          # the causal square
+  if new_part == "causal_left_padded":                                         # padding rows to the end
+    roll = (jnp.arange(m) + p) % m
+    qc, kc, vc = (jnp.take(x, roll, axis=1) for x in (qc, kc, vc))
   on = lambda n: jnp.where(aligned, n, 0).reshape(1).astype(jnp.int32)         # noqa: E731
   off_ = lambda n: jnp.where(aligned, 0, n).reshape(1).astype(jnp.int32)       # noqa: E731
-  o_c, lse_c = _dense_attention(
-      q[None, :, off:], k_new[None, :, :m], v_new[None, :, :m], mask=None, causal=True, scale=scale,
-      q_len=on(m), kv_len=on(m), implementation=implementation, layout="BNTH")  # [1, Hq, m, d], [1, Hq, m]
+  o_c, lse_c = _dense_attention(qc[None], kc[None], vc[None], mask=None, causal=True, scale=scale,
+                                q_len=on(m - p), kv_len=on(m - p), implementation=implementation,
+                                layout="BNTH")                                 # [1, Hq, m, d], [1, Hq, m]
+  o_c, lse_c = o_c[0], lse_c[0]
+  if new_part == "causal_left_padded":                                         # and back
+    unroll = (jnp.arange(m) - p) % m
+    o_c, lse_c = jnp.take(o_c, unroll, axis=1), jnp.take(lse_c, unroll, axis=1)
   o_m, lse_m = masked(q_len=off_(seq_len), kv_len=off_(num_s))
-  o_c = jnp.pad(o_c[0], ((0, 0), (off, 0), (0, 0)))
-  lse_c = jnp.pad(lse_c[0], ((0, 0), (off, 0)), constant_values=-jnp.inf)
+  o_c = jnp.pad(o_c, ((0, 0), (off, 0), (0, 0)))
+  lse_c = jnp.pad(lse_c, ((0, 0), (off, 0)), constant_values=-jnp.inf)
   return jnp.where(aligned, o_c, o_m[0]), jnp.where(aligned, lse_c, lse_m[0]), has
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact", "try_causal"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact", "new_part"))
 def gather_then_dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, counts: jax.Array,
     k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, kv_pos_new: jax.Array, *,
     scale: float, return_lse: bool = False, backend: str = "auto", compact: bool = False,
-    try_causal: bool = True):
+    new_part: str = "causal"):
   """Same result as ``sparse_attention`` by a different route (prefill fast path).
 
   Compacts each selection head's valid entries (O(cap) cumsum + scatter; skipped with
@@ -398,7 +423,7 @@ def gather_then_dense_attention(
   the ``r = Hq / Hs`` query heads of a selection head folded into the query axis
   (``[Hs, r T, 1, d]``: a free reshape, no transposes) --, runs dense attention over the
   new part by positions (``[1, Hq, T, d]`` against ``[1, Hkv, S, d]`` in cuDNN's BNTH layout: no
-  transposes either; under cuDNN's causal mask when the positions allow it and ``try_causal``, see
+  transposes either; under cuDNN's causal mask when the positions allow it, see ``new_part`` in
   `_new_part`), and merges both by log-sum-exp.  Same
   conventions as ``sparse_attention`` (duplicates counted).
 
@@ -426,7 +451,7 @@ def gather_then_dense_attention(
     ks, vs = jnp.where(live, ks, 0), jnp.where(live, vs, 0)
   ks, vs = (ks[:, :, None], vs[:, :, None]) if cap else (ks[:, :0, None], vs[:, :0, None])
   return fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=impl,
-                        return_lse=return_lse, try_causal=try_causal)
+                        return_lse=return_lse, new_part=new_part)
 
 
 FLASH_ROWS = 128        # query rows per flash-attention program (cuDNN's tile on Hopper)
@@ -471,11 +496,11 @@ def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation):
 
 
 def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, return_lse,
-                   kv_splits=None, try_causal=True):
+                   kv_splits=None, new_part="causal"):
   """Dense attention (cuDNN or XLA) of q [Hq, T, d] over a fixed part ks, vs [Hs, Lk, 1, d]
   (BTNH; the first ``n[s]`` rows of selection head s, or all ``Lk`` if n is None; in ``kv_splits``
   contiguous chunks, None = ``flash_kv_splits``) and over the causal new part, merged by
-  log-sum-exp -> o [Hq, T, d] in q's dtype (, lse [Hq, T] f32). ``try_causal``: see `_new_part`."""
+  log-sum-exp -> o [Hq, T, d] in q's dtype (, lse [Hq, T] f32). ``new_part``: see `_new_part`."""
   hq, seq_len, d = q.shape
   hs, lk = ks.shape[:2]
   num_s = k_new.shape[1]
@@ -490,7 +515,7 @@ def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, impl
     parts.append((o1.reshape(hq, seq_len, d), lse1.reshape(hq, seq_len), jnp.isfinite(lse1.reshape(hq, seq_len))))
   if num_s:
     parts.append(_new_part(q, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=implementation,
-                           try_causal=try_causal))
+                           new_part=new_part))
   if not parts:
     out, lse = jnp.zeros((hq, seq_len, d), q.dtype), jnp.full((hq, seq_len), -jnp.inf)
     return (out, lse) if return_lse else out

@@ -91,7 +91,7 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
                   q_valid=q_valid, config=_prefill_config(int8))   # int8: blocks only (the caller's rule)
 
 
-def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float, *, try_causal: bool = True):
+def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float, *, new_part: str = "causal"):
     """Exact attention over a selection of the fixed context + the causal user input.
 
     Dense selections (mask None: full attention, dense layers) go to the split-KV dense kernel
@@ -99,16 +99,16 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel,
     QUEST's pages and SAAP's buckets (decode) to their kernels;
     masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
-    try_causal: a block's new part under cuDNN's causal mask when its positions allow it (checked on
-    the device; exact either way); False for left-padded blocks, which never allow it
-    (`pallas_kernels.sparse_attention._new_part`).
+    new_part: how a block attends its own keys on GPU: "causal" (cuDNN's causal mask when the
+    positions allow it, checked on the device; exact either way), "causal_left_padded" (the same
+    for left-padded blocks) or "mask" (`pallas_kernels.sparse_attention._new_part`).
     """
     b = resolved()
     ret = selection.retrieval
     if b != "reference" and ret is None and selection.mask is None:
         # dense (full attention, a method's dense layers) over the contiguous fixed context, never
         # concatenated with the new keys and never cast to f32
-        return _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, try_causal=try_causal)
+        return _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, new_part=new_part)
     if b == "reference" or ret is None:
         return fixed_context_attention(q, k_fixed, v_fixed, selection.mask, k_new, v_new, q_pos, kv_pos, scale)
     from pallas_kernels import gather_then_dense_attention, quest_decode_attention, saap_attention, sparse_attention
@@ -126,12 +126,12 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
         # in-kernel gather for 4K queries over 512K on an H200: benchmarks/results/gpu_h200_first)
         return gather_then_dense_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
                                            scale=scale, backend=b, compact=True,  # retrieve() builds it compact
-                                           try_causal=try_causal)
+                                           new_part=new_part)
     return sparse_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
                             scale=scale, backend=b)
 
 
-def _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, return_lse=False, try_causal=True):
+def _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, return_lse=False, new_part="causal"):
     """Dense attention on a Pallas backend: split-KV Flash-Decoding for decode steps (a few rows per
     KV head: the fixed context is read once), flash attention (cuDNN on GPU) for blocks of tokens
     in bf16/f16 (the split-KV kernel would read the fixed context once per block of rows)."""
@@ -140,7 +140,7 @@ def _dense(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale, b, return_ls
     flash = q.shape[1] > 1 and q.dtype in (jnp.bfloat16, jnp.float16)
     if flash:
         return dense_prefill_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale,
-                                       return_lse=return_lse, backend=b, try_causal=try_causal)
+                                       return_lse=return_lse, backend=b, new_part=new_part)
     return dense_decode_attention(q, k_fixed, v_fixed, k_new, v_new, q_pos, kv_pos, scale=scale, return_lse=return_lse,
                                   backend=b)
 

@@ -78,8 +78,8 @@ class SparseAttentionHook:
                     return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks
             sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=q_valid)
-            # question blocks are left-padded (to a multiple of _BUCKET): their new part keeps the position mask
-            o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale, try_causal=False)
+            # question blocks are left-padded (to a multiple of _BUCKET)
+            o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale, new_part="causal_left_padded")
             return jnp.swapaxes(o, 0, 1)
 
         with dispatch.using(self.backend):

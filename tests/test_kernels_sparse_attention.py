@@ -350,31 +350,36 @@ def _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, scale):
 
 
 _P = 100
-_NEW_LAYOUTS = {   # name: (q_pos, kv_pos, causal mask takes it)
-    "own keys": (_P + np.arange(6), _P + np.arange(6), True),
-    "own keys, then empty slots (a cache)": (_P + np.arange(4), np.r_[_P + np.arange(4), [-1] * 5], True),
-    "the last 3 queries' own keys": (_P - 5 + np.arange(8), _P + np.arange(3), True),
-    "right padding": (np.r_[_P + np.arange(3), [-1, -1]], np.r_[_P + np.arange(3), [-1] * 3], True),
-    "left padding": (np.r_[[-1, -1], _P + np.arange(3)], np.r_[[-1, -1], _P + np.arange(3), [-1]], False),
-    "an earlier chunk first": (_P + np.arange(3), _P - 3 + np.arange(6), False),
-    "two equal positions": (np.r_[_P, _P, _P + 1], np.r_[_P, _P, _P + 1], False),
-    "shuffled": (_P + np.array([2, 0, 3, 1]), _P + np.array([1, 3, 0, 2]), False),
-    "no query sees a new key": (_P + np.arange(3), _P + 10 + np.arange(3), True),
+_NEW_LAYOUTS = {   # name: (q_pos, kv_pos, aligned for "causal", aligned for "causal_left_padded")
+    "own keys": (_P + np.arange(6), _P + np.arange(6), True, True),
+    "own keys, then empty slots (a cache)": (_P + np.arange(4), np.r_[_P + np.arange(4), [-1] * 5], True, True),
+    "the last 3 queries' own keys": (_P - 5 + np.arange(8), _P + np.arange(3), True, True),
+    "right padding": (np.r_[_P + np.arange(3), [-1, -1]], np.r_[_P + np.arange(3), [-1] * 3], True, True),
+    "left padding": (np.r_[[-1, -1], _P + np.arange(3)], np.r_[[-1, -1], _P + np.arange(3), [-1]], False, True),
+    "a left-padded question in a cache": (np.r_[[-1] * 3, _P + np.arange(4)],
+                                          np.r_[[-1] * 3, _P + np.arange(4), [-1] * 5], False, True),
+    "left padding, then a gap": (np.r_[-1, _P, _P + 1], np.r_[-1, _P, _P + 2], False, False),
+    "an earlier chunk first": (_P + np.arange(3), _P - 3 + np.arange(6), False, False),
+    "two equal positions": (np.r_[_P, _P, _P + 1], np.r_[_P, _P, _P + 1], False, False),
+    "shuffled": (_P + np.array([2, 0, 3, 1]), _P + np.array([1, 3, 0, 2]), False, False),
+    "no query sees a new key": (_P + np.arange(3), _P + 10 + np.arange(3), True, True),
 }
 
 
-@pytest.mark.parametrize("try_causal", [True, False])
+@pytest.mark.parametrize("new_part", ["causal", "causal_left_padded", "mask"])
 @pytest.mark.parametrize("layout", list(_NEW_LAYOUTS))
-def test_new_part_causal_mask_when_positions_allow(rng, layout, try_causal):
-  """`fixed_plus_new`'s new part: when every query sees exactly slots 0 .. i - (T - min(T, S)) it runs
-  under a causal mask (cuDNN skips the tiles above the diagonal), otherwise under the position mask;
-  both calls are made (the other with zero-length padding) and the device picks, so every layout is
-  exact; ``try_causal=False`` makes the position-mask call alone. Heads with no fixed row make the
-  rows that see no new key see nothing at all."""
+def test_new_part_causal_mask_when_positions_allow(rng, layout, new_part):
+  """`fixed_plus_new`'s new part: when every query sees exactly slots 0 .. i - (T - min(T, S)) (with
+  "causal_left_padded": that square rolled past its leading padding rows) it runs under a causal mask
+  (cuDNN skips the tiles above the diagonal), otherwise under the position mask; both calls are made
+  (the other with zero-length padding) and the device picks, so every layout is exact; "mask" makes
+  the position-mask call alone. Heads with no fixed row make the rows that see no new key see
+  nothing at all."""
   from pallas_kernels.sparse_attention import causal_alignment, fixed_plus_new
 
-  q_pos, kv_pos, aligned = (np.asarray(x, np.int32) if i < 2 else x for i, x in enumerate(_NEW_LAYOUTS[layout]))
-  assert bool(causal_alignment(jnp.asarray(q_pos), jnp.asarray(kv_pos))[2]) == aligned
+  q_pos, kv_pos = (np.asarray(x, np.int32) for x in _NEW_LAYOUTS[layout][:2])
+  for left, want in zip((False, True), _NEW_LAYOUTS[layout][2:]):
+    assert bool(causal_alignment(jnp.asarray(q_pos), jnp.asarray(kv_pos), left)[2]) == want, left
   hq, hs, lk, d = 8, 4, 16, 16
   t, s_new = len(q_pos), len(kv_pos)
   q = rng.normal(size=(hq, t, d)).astype(np.float32)
@@ -382,5 +387,15 @@ def test_new_part_causal_mask_when_positions_allow(rng, layout, try_causal):
   kn, vn = rng.normal(size=(2, hs, s_new, d)).astype(np.float32)
   n = np.asarray([5, 0, 16, 0], np.int32)
   out, lse = fixed_plus_new(*(jnp.asarray(x) for x in (q, ks, vs, n, kn, vn, q_pos, kv_pos)), scale=0.3,
-                            implementation="xla", return_lse=True, try_causal=try_causal)
+                            implementation="xla", return_lse=True, new_part=new_part)
   _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, 0.3)
+
+
+def test_new_part_mode_error():
+  from pallas_kernels.sparse_attention import fixed_plus_new
+
+  z = jnp.zeros((2, 3, 4), jnp.float32)
+  pos = jnp.arange(3, dtype=jnp.int32)
+  with pytest.raises(ValueError, match="new_part must be one of"):
+    fixed_plus_new(z, z[:, :, None], z[:, :, None], None, z, z, pos, pos, scale=0.5, implementation="xla",
+                   return_lse=False, new_part="rolled")

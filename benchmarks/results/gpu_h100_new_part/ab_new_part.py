@@ -16,8 +16,9 @@ Variants, each timed by a profiler trace (kernel busy ms per call) and by wall t
   new: N chunks       the queries in N chunks as batch entries, each with the key length up to its last visible
                       slot, plus the same mask (exact for any positions)
 Outputs are compared with "whole (current)" / "new: mask".
-Then the library's new part (`_new_part`) against the mask alone on three layouts: the block's own keys, the last
-T/4 queries' own keys (the speed suite's prefill rows), and a left-padded block (which takes the mask).
+Then the library's new part (`_new_part`, new_part="causal" and "causal_left_padded") against the mask alone on three
+layouts: the block's own keys, the last T/4 queries' own keys (the speed suite's prefill rows), and a left-padded block
+(which "causal" hands to the mask and "causal_left_padded" rolls into the causal square).
 """
 import json
 import sys
@@ -152,23 +153,25 @@ def main(out: Path, interpret: bool) -> int:
       timed(jf, row)
       res["rows"].append(row)
   # the library's new part (`_new_part`: the causal call when the positions allow it, else the position mask;
-  # both calls made, the one not taken with zero-length padding) on three layouts, against the mask alone
+  # both calls made, the one not taken with zero-length padding; "causal_left_padded" rolls a left-padded block's
+  # square) on three layouts, against the mask alone
   from pallas_kernels.sparse_attention import _new_part
   s_br = t // 4
   layouts = {
       "own keys (causal)": (qp, kp, slice(None)),
       "the last T/4 queries' own keys, the speed suite's layout (causal)": (qp, qp[-s_br:], slice(0, s_br)),
-      "left padding, 64 tokens (position mask)": (jnp.where(jnp.arange(t) < 64, -1, qp),
+      "left padding, 64 tokens": (jnp.where(jnp.arange(t) < 64, -1, qp),
                                                   jnp.where(jnp.arange(t) < 64, -1, qp), slice(None)),
   }
   for rnd in range(2):
     for lname, (qpl, kpl, sl) in layouts.items():
-      for kind in ("mask", "library"):
+      for kind in ("mask", "library", "library, causal_left_padded"):
         def fn(q, ks, vs, kn, vn, n, qp_, kp_, kind=kind, qpl=qpl, kpl=kpl, sl=sl):
           kn, vn = kn[:, sl], vn[:, sl]
           if kind == "mask":
             return new_mask(q, ks, vs, kn, vn, n, qpl, kpl)
-          o, lse, has = _new_part(q, kn, vn, qpl, kpl, scale=scale, implementation=impl)
+          mode = "causal_left_padded" if kind.endswith("padded") else "causal"
+          o, lse, has = _new_part(q, kn, vn, qpl, kpl, scale=scale, implementation=impl, new_part=mode)
           return o[None], lse[None], has
         jf = jax.jit(fn)
         o = jax.block_until_ready(jf(*sets[0]))
