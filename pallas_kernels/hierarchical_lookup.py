@@ -133,14 +133,15 @@ def _run(q, c1, n1, c2, n2, parent, t1, *, scale, vote, be, cfg, q_valid=None):
   # run over them with affine, pipelined loads and stop after the last one (Eq. 3).
   # int8 logits: q quantized once for both levels; the level-2 centroids per KV head before the gather
   # (the same scale: each head's copy holds all of its centroids), so the gather moves int8 rows
-  q8 = _int8_q(q) if cfg.prefill_int8 is not None else None
+  int8 = cfg.prefill_int8 is not None
+  q8 = _int8_q(q) if int8 else None
   s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid, q_int8=q8)
   cand = _candidates(_survivors(s1, n1, t1, kvh), parent, n2, kvh)
   order, n_cand = _candidates_first(cand)                          # [Hs, C2], [Hs]
   rows = kvh[:, None]
-  c2_8 = _int8_c(c2) if q8 is not None else None
-  cc = (c2 if c2_8 is None else c2_8[0])[rows, order]              # [Hs, C2, d]
-  cc8 = None if c2_8 is None else (cc, c2_8[1][kvh])
+  c2i, c2s = _int8_c(c2) if int8 else (c2, None)
+  cc = c2i[rows, order]                                            # [Hs, C2, d]
+  cc8 = (cc, c2s[kvh]) if int8 else None
   nc = jnp.where(jnp.arange(c2.shape[1])[None, :] < n_cand[:, None], n2[rows, order], 0)
   s2c = lookup_prefill_scores(q, cc, nc, n_cand, scale=scale, groups=hs, cfg=cfg, backend=be, q_valid=q_valid,
                               q_int8=q8, c_int8=cc8)

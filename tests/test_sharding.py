@@ -614,13 +614,6 @@ def _model_hook_check(add, rel, rng, mesh, seed, idx, eq, ks, vs, k_host, v_host
         add(name, err <= TOL, err=err)
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(ROOT))
-    _main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
-
-
 def test_sharded_calibration_refuses_lookup_int8():
     """The sharded lookups do not round to int8: an index built for `lookup_int8` would be calibrated on other
     scores than the single-device path's, so the sharded build says so instead."""
@@ -632,3 +625,11 @@ def test_sharded_calibration_refuses_lookup_int8():
 
     with pytest.raises(ValueError, match="lookup_int8 is not implemented for the sharded index"):
         sh.calibrate_sharded(None, jnp.zeros((1, 4, 8, 16)), SqueezedConfig(lookup_int8=True), 0.25, None)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(ROOT))
+    _main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+
