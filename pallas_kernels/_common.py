@@ -5,6 +5,9 @@ import math
 from typing import Any
 
 import jax
+import jax.extend.core
+import jax.interpreters.batching
+import jax.interpreters.mlir
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
@@ -155,6 +158,46 @@ def krem(a, b):
 def kcdiv(a, b: int):
   """Ceil-division of a non-negative traced int by a static positive int."""
   return lax.div(a + (b - 1), jnp.asarray(b, a.dtype))
+
+
+def _exp2_ftz_triton(ctx, x):
+  """``ex2.approx.ftz.f32``: one MUFU.EX2 per element.  ``jnp.exp2`` lowers to libdevice's
+  ``__nv_exp2f``, which XLA's Triton pipeline compiles without flush-to-zero (``xla_gpu_ftz``
+  is off), so ptxas wraps the MUFU op in a range test and two predicated multiplies that keep
+  subnormal results (< 2^-126) exact."""
+  from jax._src.pallas.triton import lowering as tl
+  from jax._src.pallas.triton import primitives as tp
+  [out] = tl.triton_lowering_rules[tp.elementwise_inline_asm_p](
+      ctx, x, asm="ex2.approx.ftz.f32 $0, $1;", constraints="=f,f", pack=1, result_shape_dtypes=None)
+  return out
+
+
+def _exp2_ftz_abstract(x):
+  return jax.core.ShapedArray(x.shape, x.dtype)
+
+
+exp2_ftz_p = jax.extend.core.Primitive("sqjax_exp2_ftz")
+exp2_ftz_p.def_impl(lambda x: lax.exp2(x))
+exp2_ftz_p.def_abstract_eval(_exp2_ftz_abstract)
+jax.interpreters.mlir.register_lowering(exp2_ftz_p, jax.interpreters.mlir.lower_fun(lax.exp2, multiple_results=False))
+jax.interpreters.batching.primitive_batchers[exp2_ftz_p] = lambda args, dims: (exp2_ftz_p.bind(args[0]), dims[0])
+
+
+def _register_exp2_ftz_triton():
+  from jax._src.pallas.triton import lowering as tl
+  tl.register_lowering(exp2_ftz_p)(_exp2_ftz_triton)
+
+
+_register_exp2_ftz_triton()
+
+
+def exp2_ftz(x):
+  """``2**x`` for f32 with subnormal results flushed to zero: on the GPU one ``ex2.approx.ftz.f32``
+  (see ``_exp2_ftz_triton``), elsewhere (the interpreter, other lowerings) ``lax.exp2``.  The two
+  differ only where ``2**x < 2^-126``, which no softmax sum here can see."""
+  if x.dtype != jnp.float32:
+    raise TypeError(f"exp2_ftz takes float32, got {x.dtype} of shape {x.shape}")
+  return exp2_ftz_p.bind(x)
 
 
 def gather_rows(ref, rows, ncols: int, mask, other=0):

@@ -113,6 +113,10 @@ class CentroidLookupConfig:
     The scores are those of the quantized inputs (``quantized_inputs``): on captured SmolLM2
     keys the logits' error is ~0.07 (std, natural-log units; bf16 inputs: 0.02).  None: the
     inputs' dtype.  Triton passes only.
+  exp2_ftz: the prefill passes' per-element ``exp2`` as one ``ex2.approx.ftz.f32``
+    (``_common.exp2_ftz``) instead of ``jnp.exp2``, which XLA compiles without flush-to-zero
+    into the MUFU op plus a range test and two predicated multiplies per element.  Results
+    differ only below 2^-126.  The interpreter computes both as ``lax.exp2``.
   """
   block_c: int = 128
   block_t: int = 64
@@ -131,6 +135,7 @@ class CentroidLookupConfig:
   prefill_engine: str = "triton"
   mosaic: MosaicLookupConfig | None = None
   prefill_int8: str | None = None
+  exp2_ftz: bool = True
 
   def __post_init__(self):
     if self.prefill_engine not in PREFILL_ENGINES:
@@ -379,7 +384,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
 _ANCHOR_MAX_SUM = 2.0 ** 100   # an anchored sum above this (or NaN) is redone with the running max
 
 
-def _anchored_stats(start, stop, block, exact, *, tile):
+def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2):
   """The statistics pass's (M, D) with M = the max of the first block's logits (base 2):
   D = sum_j N_j exp2(s_j - M) over blocks [start, stop), no running max.  ``block(b)`` ->
   (valid, counts, logits [Bt, Bc]) of centroid block b.  Falls back to ``exact()`` for the
@@ -388,12 +393,12 @@ def _anchored_stats(start, stop, block, exact, *, tile):
   valid, cnt, s = block(start)
   s = jnp.where((valid[None, :]) & (start < stop), s, cm.MASK_VALUE)
   m = jnp.max(s, axis=1)                                          # [Bt] the anchor
-  first = jnp.exp2(s - m[:, None]) * cnt[None, :]                 # masked columns: cnt 0 or exp2(-1e30)
+  first = ex2(s - m[:, None]) * cnt[None, :]                      # masked columns: cnt 0 or exp2(-1e30)
 
   def body(b, acc):
     _, cnt_b, s_b = block(b)
     # invalid columns: cnt 0 (rows read as 0 give exp2(-M), finite unless M < -128: then NaN -> exact)
-    p = jnp.exp2(s_b - m[:, None]) * cnt_b[None, :]
+    p = ex2(s_b - m[:, None]) * cnt_b[None, :]
     return acc + p if tile else acc + jnp.sum(p, axis=1)
 
   acc0 = first if tile else jnp.sum(first, axis=1)
@@ -409,7 +414,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
                   scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None,
-                  int8=None):
+                  int8=None, ex2=jnp.exp2):
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
   if bounded:
@@ -440,7 +445,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # invalid columns: cnt = 0 zeroes them (exp2 of a masked logit is 0 or, while every
     # column so far is masked, 1 times 0)
-    p = jnp.exp2(s - m_next[:, None])
+    p = ex2(s - m_next[:, None])
     # the block's sum first, then the rescale of the running one: this order measured 8% faster
     # for the level-2 pass on an H200 (benchmarks/results/gpu_h200_prefill_lookup)
     lsum = jnp.sum(p * cnt[None, :], axis=1)
@@ -463,7 +468,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   if anchor is None:
     m, l = exact()
   else:
-    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile")
+    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile", ex2=ex2)
   m_ref[z, h, pl.ds(tb * block_t, block_t)] = m
   l_ref[z, h, pl.ds(tb * block_t, block_t)] = l
 
@@ -475,7 +480,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2):
   rm_ref = None
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
@@ -507,7 +512,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
     mult = scale2 if rm_ref is None else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0)
     s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
-    p = jnp.exp2(jnp.minimum(s - mt[:, None], 0.0))               # invalid columns: zeroed below
+    p = ex2(jnp.minimum(s - mt[:, None], 0.0))                    # invalid columns: zeroed below
     if tile_acc:
       return acc + p                                                # [Bt, Bc]
     return acc + jnp.sum(p, axis=0)
@@ -687,7 +692,7 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   if int8 == "magic" and 127 * 127 * dp >= 2 ** 22:   # the magic bits hold |dot| < 2^22 only (d <= 256)
     int8 = "cvt"
   common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
-                bounded=n_valid is not None, int8=int8)
+                bounded=n_valid is not None, int8=int8, ex2=cm.exp2_ftz if cfg.exp2_ftz else jnp.exp2)
   ssplits = stats_splits(cfg, (t_pad // bt_a) * hq, cm.cdiv(num_c, bc_a), n_valid is not None)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, anchor=cfg.stats_anchor,

@@ -353,6 +353,39 @@ def test_prefill_anchored_statistics_fall_back_when_a_later_block_overflows(rng)
     CentroidLookupConfig(stats_anchor="max")
 
 
+def test_exp2_ftz_is_exp2_off_the_gpu(rng):
+  """_common.exp2_ftz (the prefill passes' exp2 on the GPU: ex2.approx.ftz.f32): outside the Triton lowering it is
+  lax.exp2, eagerly, under jit and vmap, for the whole f32 range the passes feed it (the masked -1e30 included);
+  other dtypes are refused by name."""
+  from pallas_kernels import _common as cm
+  x = jnp.asarray(np.concatenate([rng.uniform(-140, 2, 200), [-1e30, 0.0, -126.0, -149.0]]), jnp.float32)
+  want = np.asarray(jnp.exp2(x))
+  np.testing.assert_array_equal(cm.exp2_ftz(x), want)
+  np.testing.assert_array_equal(jax.jit(cm.exp2_ftz)(x), want)
+  np.testing.assert_array_equal(jax.vmap(cm.exp2_ftz)(x.reshape(4, -1)), want.reshape(4, -1))
+  with pytest.raises(TypeError, match="exp2_ftz takes float32, got bfloat16"):
+    cm.exp2_ftz(x.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("int8", [None, "cvt"])
+def test_prefill_exp2_ftz_setting_gives_the_same_scores(rng, int8):
+  """exp2_ftz on (the default) and off: the same Eq. 1 averages in the interpreter, for the running-max and the
+  anchored statistics passes, GQA with ragged T and C, bf16 and int8 logits, and the bounded pass."""
+  from pallas_kernels.centroid_lookup import lookup_prefill_scores
+  q, cent, counts = make_inputs(rng, 8, 2, 37, 150, 64, jnp.bfloat16)
+  assert CentroidLookupConfig().exp2_ftz
+  for anchor in (None, "rows"):
+    got = {}
+    for ftz in (True, False):
+      cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor, prefill_int8=int8, exp2_ftz=ftz)
+      got[ftz] = (centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, backend="interpret", config=cfg)[1],
+                  lookup_prefill_scores(q, cent, counts, jnp.asarray([100, 37], jnp.int32), scale=0.125, groups=2,
+                                        backend="interpret", cfg=cfg))
+    for a, b in zip(got[True], got[False]):
+      assert float(jnp.max(a)) > 0
+      np.testing.assert_array_equal(a, b)
+
+
 def test_quantize_int8_rounds_to_the_nearest_step(rng):
   """quantize_int8: max |x| maps to 127, every value within half a step, an all-zero row gets scale 1 and
   zeros (no division by zero); quantized_inputs scales q per (head, token) row and centroids per head."""

@@ -6,6 +6,8 @@ scalar work-table reads, dynamic loops), at the benchmark's Llama-3-8B head
 shapes.  It does not run Triton's own compiler passes or the kernels: the GPU
 script checks those.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -108,6 +110,29 @@ def test_dense_decode_lowers(seq_len):
 def test_gather_live_rows_lowers(hs):
   lower(lambda k, v, i, n: gather_live_rows(k, v, i, n, backend="pallas"),
         sds((HKV, L, D)), sds((HKV, L, D)), sds((hs, 700), jnp.int32), sds((hs,), jnp.int32))
+
+
+@pytest.mark.parametrize("ftz", [True, False])
+def test_prefill_passes_lower_exp2_ftz(ftz):
+  """exp2_ftz (the default): both prefill passes, the 1-level call and the hierarchical one, carry the
+  ex2.approx.ftz.f32 inline asm; off, none does (libdevice's exp2f instead)."""
+  import dataclasses
+
+  from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, INT8_PREFILL
+  for base in (DEFAULT_PREFILL, INT8_PREFILL):
+    cfg = dataclasses.replace(base, exp2_ftz=ftz)
+    texts = [lower(lambda q, c, n: centroid_lookup_prefill(q, c, n, jnp.float32(0.1), scale=D ** -0.5,
+                                                           backend="pallas", config=cfg),
+                   sds((HQ, 256, D)), sds((HKV, 300, D)), sds((HKV, 300), jnp.int32)),
+             lower(lambda q, *a: hierarchical_lookup_prefill(q, *a, jnp.float32(0.01), jnp.float32(0.01),
+                                                             scale=D ** -0.5, backend="pallas", config=cfg),
+                   sds((HQ, 256, D)), sds((HKV, 41, D)), sds((HKV, 41), jnp.int32), sds((HKV, 205, D)),
+                   sds((HKV, 205), jnp.int32), sds((HKV, 205), jnp.int32))]
+    for text, n_kernels in zip(texts, (2, 4)):   # the hierarchical lookup: both passes at both levels
+      kernels = len(re.findall(r'name = "centroid_lookup_(?:stats|scores)', text))   # one string table each
+      assert kernels == n_kernels
+      assert text.count("ex2.approx.ftz.f32") == (kernels if ftz else 0)
+      assert ftz or "__nv_exp2f" in text
 
 
 @pytest.mark.parametrize("int8", [None, "cvt", "magic"])
