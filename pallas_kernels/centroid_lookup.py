@@ -480,7 +480,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True):
   rm_ref = None
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
@@ -512,7 +512,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
     mult = scale2 if rm_ref is None else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0)
     s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
-    p = ex2(jnp.minimum(s - mt[:, None], 0.0))                    # invalid columns: zeroed below
+    x = s - mt[:, None]
+    p = ex2(jnp.minimum(x, 0.0) if clamp else x)                  # invalid columns: zeroed below
     if tile_acc:
       return acc + p                                                # [Bt, Bc]
     return acc + jnp.sum(p, axis=0)
