@@ -226,6 +226,10 @@ DEFAULT_PREFILL = CentroidLookupConfig(block_c=128, block_t=128, num_warps=4, nu
 # DEFAULT_PREFILL (1-level 3.73 vs 4.70 ms; "cvt" at 128-token statistics blocks 2.83 / 3.97 ms, "magic" slower
 # than "cvt"; benchmarks/results/gpu_h100_int8_lookup).
 INT8_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prefill_int8="cvt", block_t=64)
+# Both take ``exp2_ftz`` (on by default since 2026-11-25): on an H100 at 512K / 4K tokens the hierarchical lookup
+# took 2.49-2.50 vs 2.70-2.71 ms (int8) and 3.13 vs 3.35 ms (bf16) of kernels, nearly all of it in the
+# statistics passes (level 2: 0.75 vs 0.88 ms int8, 1.01 vs 1.20 ms bf16); the scores were identical
+# (benchmarks/results/gpu_h100_ftz_exp2).
 
 
 # ----------------------------------------------------------------------------
@@ -481,6 +485,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
                   tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True):
+  # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
+  # the loop).  Without it the passes measured the same and gave the same scores (gpu_h100_ftz_exp2/ab_clamp.py).
   rm_ref = None
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
