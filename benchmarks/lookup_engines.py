@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks._meta import metadata
 from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, lookup_prefill_scores
+from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
 from pallas_kernels.lookup_mosaic import DEFAULT_MOSAIC, MosaicLookupConfig, lookup_prefill_scores_mosaic
 
 MOSAIC_CONFIGS = [DEFAULT_MOSAIC, MosaicLookupConfig()]
@@ -87,12 +88,27 @@ def ab_inputs(interpret: bool) -> AbInputs:
                   synthetic_tree(ks, hkv, length, d))
 
 
+def prefill_ab_calls(x: AbInputs, t1_cfg=DEFAULT_PREFILL) -> tuple[dict, jax.Array, float]:
+  """The prefill A/B scripts' two lookups over ``x``: ``{"hierarchical" | "one level": cfg -> (jitted fn, args)}``
+  (the hierarchical one over ``x.tree`` with T1 at the median level-1 score under ``t1_cfg``, T2 = 0; the 1-level one
+  over every level-2 centroid), T1, and the fraction of non-empty level-1 clusters at or above it."""
+  c1, n1, c2, n2, parent = x.tree
+  s1 = lookup_prefill_scores(x.q, c1, n1, scale=x.scale, groups=x.hkv, cfg=t1_cfg, backend=x.backend)
+  t1 = jnp.median(s1[n1 > 0])
+  calls = {
+      "hierarchical": lambda cfg: (jax.jit(lambda *a: hierarchical_lookup_prefill(
+          *a, scale=x.scale, config=cfg, backend=x.backend)), (x.q, c1, n1, c2, n2, parent, t1, jnp.float32(0.0))),
+      "one level": lambda cfg: (jax.jit(lambda *a: lookup_prefill_scores(
+          *a, scale=x.scale, groups=x.hkv, cfg=cfg, backend=x.backend)), (x.q, c2, n2)),
+  }
+  return calls, t1, float(jnp.mean((s1 >= t1)[n1 > 0]))
+
+
 def hierarchical_ab(q, length, scale, groups, reps):
   """``hierarchical_lookup_prefill`` (level 1 at 1%, its survivors' level-2 children at 5%,
   candidates compacted, both levels' two passes) with each engine, and cuDNN dense attention
   over the same context for scale.  A synthetic tree: random level-2 centroids and parents,
   T1 at the median level-1 score (about half the level-1 clusters survive)."""
-  from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
   hq, t, d = q.shape
   hkv, c1n, c2n = 8, length // 100, length // 20
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(1), 4)

@@ -9,31 +9,20 @@ import functools
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._meta import metadata, write_json
-from benchmarks.lookup_engines import ab_inputs, kernels_str, rel, timed_lookup
+from benchmarks.lookup_engines import ab_inputs, kernels_str, prefill_ab_calls, rel, timed_lookup
 from pallas_kernels import centroid_lookup as cl
-from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
 
 _SCORE = cl._score_kernel
 
 
 def main(out: Path, interpret: bool) -> int:
   x = ab_inputs(interpret)
-  length, tokens, hq, hkv, d, reps, backend, scale, q = x[:9]
-  c1, n1, c2, n2, parent = x.tree
-  s1 = cl.lookup_prefill_scores(q, c1, n1, scale=scale, groups=hkv, cfg=cl.DEFAULT_PREFILL, backend=backend)
-  t1 = jnp.median(s1[n1 > 0])
-  calls = {
-      "hierarchical": lambda cfg: (jax.jit(lambda *a: hierarchical_lookup_prefill(
-          *a, scale=scale, config=cfg, backend=backend)), (q, c1, n1, c2, n2, parent, t1, jnp.float32(0.0))),
-      "one level": lambda cfg: (jax.jit(lambda *a: cl.lookup_prefill_scores(
-          *a, scale=scale, groups=hkv, cfg=cfg, backend=backend)), (q, c2, n2)),
-  }
-  res = {"meta": metadata(), "shape": dict(L=length, T=tokens, Hq=hq, Hkv=hkv, d=d, dtype="bfloat16"), "rows": []}
+  calls, _, _ = prefill_ab_calls(x)
+  res = {"meta": metadata(), "shape": dict(L=x.length, T=x.tokens, Hq=x.hq, Hkv=x.hkv, d=x.d, dtype="bfloat16"),
+         "rows": []}
   variants = [(f"{lo}, {'clamp' if c else 'no clamp'}", cfg, c)
               for lo, cfg in (("bf16", cl.DEFAULT_PREFILL), ("int8", cl.INT8_PREFILL)) for c in (True, False)]
   scores = {}
@@ -43,7 +32,7 @@ def main(out: Path, interpret: bool) -> int:
         cl._score_kernel = functools.partial(_SCORE, clamp=clamp)
         try:
           fn, args = make(cfg)
-          timing, got = timed_lookup(fn, args, reps, profile=not interpret)
+          timing, got = timed_lookup(fn, args, x.reps, profile=not interpret)
         finally:
           cl._score_kernel = _SCORE
         sc = np.asarray(got[1] if what == "hierarchical" else got)

@@ -13,22 +13,16 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._meta import metadata, write_json
-from benchmarks.lookup_engines import ab_inputs, kernels_str, rel, timed_lookup
-from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, INT8_PREFILL, lookup_prefill_scores
-from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
+from benchmarks.lookup_engines import ab_inputs, kernels_str, prefill_ab_calls, rel, timed_lookup
+from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, INT8_PREFILL
 
 
 def main(out: Path, interpret: bool) -> int:
   x = ab_inputs(interpret)
-  length, tokens, hq, hkv, d, reps, backend, scale, q = x[:9]
-  c1, n1, c2, n2, parent = x.tree
-  s1 = lookup_prefill_scores(q, c1, n1, scale=scale, groups=hkv, cfg=DEFAULT_PREFILL, backend=backend)
-  t1 = jnp.median(s1[n1 > 0])
+  calls, _, survivors = prefill_ab_calls(x)
   r = dataclasses.replace
   # (name, config, the variant with the same logits and jnp.exp2)
   variants = {"bf16, jnp.exp2": (r(DEFAULT_PREFILL, exp2_ftz=False), None),
@@ -36,21 +30,15 @@ def main(out: Path, interpret: bool) -> int:
               "int8, jnp.exp2": (r(INT8_PREFILL, exp2_ftz=False), None),
               "int8, ftz": (r(INT8_PREFILL, exp2_ftz=True), "int8, jnp.exp2"),
               "int8 magic, ftz": (r(INT8_PREFILL, exp2_ftz=True, prefill_int8="magic"), "int8, jnp.exp2")}
-  calls = {
-      "hierarchical": lambda cfg: (jax.jit(lambda *a: hierarchical_lookup_prefill(
-          *a, scale=scale, config=cfg, backend=backend)), (q, c1, n1, c2, n2, parent, t1, jnp.float32(0.0))),
-      "one level": lambda cfg: (jax.jit(lambda *a: lookup_prefill_scores(
-          *a, scale=scale, groups=hkv, cfg=cfg, backend=backend)), (q, c2, n2)),
-  }
-  res = {"meta": metadata(), "shape": dict(L=length, T=tokens, Hq=hq, Hkv=hkv, d=d, dtype="bfloat16"),
-         "level1_survivors": float(jnp.mean((s1 >= t1)[n1 > 0])), "rows": []}
+  res = {"meta": metadata(), "shape": dict(L=x.length, T=x.tokens, Hq=x.hq, Hkv=x.hkv, d=x.d, dtype="bfloat16"),
+         "level1_survivors": survivors, "rows": []}
   scores = {}
   for rnd in range(2):
     for what, make in calls.items():
       items = list(variants.items())
       for name, (cfg, same_logits) in (items if rnd == 0 else items[::-1]):
         fn, args = make(cfg)
-        timing, got = timed_lookup(fn, args, reps, profile=not interpret)
+        timing, got = timed_lookup(fn, args, x.reps, profile=not interpret)
         sc = np.asarray(got[1] if what == "hierarchical" else got)
         scores[what, name] = sc
         row = {"round": rnd, "lookup": what, "variant": name, "prefill_int8": cfg.prefill_int8,
