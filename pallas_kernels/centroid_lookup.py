@@ -484,9 +484,15 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=None):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
   # the loop).  Without it the passes measured the same and gave the same scores (gpu_h100_ftz_exp2/ab_clamp.py).
+  # contiguous: each token block's q rows and multipliers as one aligned slice instead of a masked row gather;
+  # None: when seq_len % block_t == 0 (an A/B: gpu_h100_ftz_exp2/ab_score_kernel.py contiguous).
+  if contiguous is None:
+    contiguous = seq_len % block_t == 0
+  if contiguous and seq_len % block_t:
+    raise ValueError(f"contiguous q loads need seq_len % block_t == 0, got {seq_len} % {block_t}")
   rm_ref = None
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
@@ -508,7 +514,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     h = grp * r + rr
     t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
     tv = t < seq_len
-    q = cm.gather_rows(q_ref, h * seq_len + t, d, tv)             # [Bt, d]
+    row0 = pl.multiple_of(h * seq_len + tb * block_t, block_t) if contiguous else None
+    q = q_ref[pl.ds(row0, block_t), :] if contiguous else cm.gather_rows(q_ref, h * seq_len + t, d, tv)  # [Bt, d]
     mt = ms_ref[h, pl.ds(tb * block_t, block_t)]                  # [Bt]
     lt = ls_ref[h, pl.ds(tb * block_t, block_t)]
     # Eq. 1 normalised in the exponent: exp2(s - M - log2 D) = exp2(s - M) / D, no multiply
@@ -516,7 +523,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     # -1e30 = 0.
     ok = tv & (lt > 0)
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
-    mult = scale2 if rm_ref is None else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0)
+    mult = (scale2 if rm_ref is None else rm_ref[pl.ds(row0, block_t)] if contiguous
+            else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0))
     s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
     x = s - mt[:, None]
     p = ex2(jnp.minimum(x, 0.0) if clamp else x)                  # invalid columns: zeroed below

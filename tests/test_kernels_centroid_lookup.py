@@ -386,6 +386,38 @@ def test_prefill_exp2_ftz_setting_gives_the_same_scores(rng, int8):
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("int8", [None, "cvt"])
+def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch):
+  """The scoring pass reads a token block's q rows (and int8 multipliers) as one slice when T is a multiple of its
+  block, else by the masked row gather: both give the reference's Eq. 1 averages (GQA, vote "q", the bounded pass),
+  and the slice refuses a ragged T by name."""
+  import functools
+
+  from pallas_kernels import centroid_lookup as cl
+  q, cent, counts = make_inputs(rng, 8, 2, 64, 150, 64, jnp.bfloat16)          # T = 4 scoring blocks of 16
+  cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor="rows", prefill_int8=int8)
+  qd, cd = (q, cent) if int8 is None else cl.quantized_inputs(q, cent)
+  tol = TOL[jnp.float32] if int8 is None else dict(rtol=1e-5, atol=1e-8)
+  n_valid = jnp.asarray([100, 37], jnp.int32)
+  inside = jnp.arange(150)[None, :] < n_valid[:, None]
+  want_bounded = centroid_lookup_reference(qd, cd, jnp.where(inside, counts, 0), 0.0, scale=0.125)[1]
+  orig = cl._score_kernel
+  for contiguous in (None, True, False):
+    monkeypatch.setattr(cl, "_score_kernel", functools.partial(orig, contiguous=contiguous))
+    jax.clear_caches()   # the public ops are jitted on their config: trace them again with the patch
+    for vote in ("kv", "q"):
+      _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, vote=vote, backend="interpret", config=cfg)
+      np.testing.assert_allclose(sc, centroid_lookup_reference(qd, cd, counts, 0.0, scale=0.125, vote=vote)[1], **tol)
+    got = cl.lookup_prefill_scores(q, cent, counts, n_valid, scale=0.125, groups=2, backend="interpret", cfg=cfg)
+    np.testing.assert_allclose(got, want_bounded, **tol)
+  monkeypatch.setattr(cl, "_score_kernel", functools.partial(orig, contiguous=True))
+  jax.clear_caches()
+  with pytest.raises(ValueError, match="contiguous q loads need seq_len % block_t == 0, got 37 % 16"):
+    centroid_lookup_prefill(q[:, :37], cent, counts, 0.5, scale=0.125, backend="interpret", config=cfg)
+  monkeypatch.undo()
+  jax.clear_caches()   # no later test may reuse a trace of the patched kernel
+
+
 def test_quantize_int8_rounds_to_the_nearest_step(rng):
   """quantize_int8: max |x| maps to 127, every value within half a step, an all-zero row gets scale 1 and
   zeros (no division by zero); quantized_inputs scales q per (head, token) row and centroids per head."""
