@@ -484,13 +484,12 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=None):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
   # the loop).  Without it the passes measured the same and gave the same scores (gpu_h100_ftz_exp2/ab_clamp.py).
-  # contiguous: each token block's q rows and multipliers as one aligned slice instead of a masked row gather;
-  # None: when seq_len % block_t == 0 (an A/B: gpu_h100_ftz_exp2/ab_score_kernel.py contiguous).
-  if contiguous is None:
-    contiguous = seq_len % block_t == 0
+  # contiguous (seq_len % block_t == 0 only): each token block's q rows and multipliers as one aligned slice instead
+  # of the masked row gather.  Measured within 2% either way (hierarchical -0.5%, 1-level int8 +1.3%, H100,
+  # gpu_h100_ftz_exp2/contiguous_int8_99ab83d), so the gather stays; kept for sweeps on other GPUs.
   if contiguous and seq_len % block_t:
     raise ValueError(f"contiguous q loads need seq_len % block_t == 0, got {seq_len} % {block_t}")
   rm_ref = None

@@ -388,9 +388,9 @@ def test_prefill_exp2_ftz_setting_gives_the_same_scores(rng, int8):
 
 @pytest.mark.parametrize("int8", [None, "cvt"])
 def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch):
-  """The scoring pass reads a token block's q rows (and int8 multipliers) as one slice when T is a multiple of its
-  block, else by the masked row gather: both give the reference's Eq. 1 averages (GQA, vote "q", the bounded pass),
-  and the slice refuses a ragged T by name."""
+  """The scoring pass's ``contiguous`` option (a token block's q rows and int8 multipliers as one slice, T a multiple
+  of its block) and the masked row gather (the default) give the reference's Eq. 1 averages (GQA, vote "q", the
+  bounded pass); the slice refuses a ragged T by name."""
   import functools
 
   from pallas_kernels import centroid_lookup as cl
@@ -402,7 +402,7 @@ def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch
   inside = jnp.arange(150)[None, :] < n_valid[:, None]
   want_bounded = centroid_lookup_reference(qd, cd, jnp.where(inside, counts, 0), 0.0, scale=0.125)[1]
   orig = cl._score_kernel
-  for contiguous in (None, True, False):
+  for contiguous in (True, False):
     monkeypatch.setattr(cl, "_score_kernel", functools.partial(orig, contiguous=contiguous))
     jax.clear_caches()   # the public ops are jitted on their config: trace them again with the patch
     for vote in ("kv", "q"):

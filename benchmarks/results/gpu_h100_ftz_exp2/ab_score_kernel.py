@@ -5,8 +5,9 @@ alternating rounds; the scores against the default's.
 - ``clamp`` (the default): ``exp2(min(s - M - log2 D, 0))`` against ``exp2(s - M - log2 D)`` (a valid column's
   argument is <= 0 up to rounding: D >= 1).  It ran as ``ab_clamp.py`` at f5d0951, without clearing the jit caches:
   there the hierarchical rows of both variants ran the first one's compiled code; only its 1-level rows compare.
-- ``contiguous`` (the default where T is a multiple of the scoring block, as T = 4096 is): each token block's q
-  rows and int8 multipliers as one aligned slice against the masked row gather.
+- ``contiguous``: each token block's q rows and int8 multipliers as one aligned slice against the masked row
+  gather.  At 99ab83d, where it ran, the kernel chose it by default when T was a multiple of the scoring block (as
+  T = 4096 is); within 2% either way, it is off by default since.
 
     python benchmarks/results/gpu_h100_ftz_exp2/ab_score_kernel.py OUT_DIR [clamp|contiguous] [--interpret]
 """
@@ -22,7 +23,7 @@ from benchmarks.lookup_engines import ab_inputs, kernels_str, prefill_ab_calls, 
 from pallas_kernels import centroid_lookup as cl
 
 _SCORE = cl._score_kernel
-_DEFAULTS = {"clamp": True, "contiguous": True}   # contiguous: the kernel's default (None) at T = 4096
+_DEFAULTS = {"clamp": True, "contiguous": True}   # contiguous: the kernel's default at 99ab83d (auto: True at T = 4096)
 
 
 def main(out: Path, param: str, interpret: bool) -> int:
