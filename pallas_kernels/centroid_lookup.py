@@ -115,7 +115,7 @@ class CentroidLookupConfig:
     inputs' dtype.  Triton passes only.
   exp2_ftz: the prefill passes' per-element ``exp2`` as one ``ex2.approx.ftz.f32``
     (``_common.exp2_ftz``) instead of ``jnp.exp2``, which XLA compiles without flush-to-zero
-    into the MUFU op plus a range test and two predicated multiplies per element.  Results
+    (``ex2.approx.f32``: extra instructions per element for subnormal results).  Results
     differ only below 2^-126.  The interpreter computes both as ``lax.exp2``.
   """
   block_c: int = 128
