@@ -389,8 +389,9 @@ def test_prefill_exp2_ftz_setting_gives_the_same_scores(rng, int8):
 @pytest.mark.parametrize("int8", [None, "cvt"])
 def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch):
   """The scoring pass's ``contiguous`` option (a token block's q rows and int8 multipliers as one slice, T a multiple
-  of its block) and the masked row gather (the default) give the reference's Eq. 1 averages (GQA, vote "q", the
-  bounded pass); the slice refuses a ragged T by name."""
+  of its block) and the masked row gather (the default) give the reference's Eq. 1 averages (GQA, vote "kv" and
+  "q", the bounded pass); the slice refuses a ragged T by name.  ``lookup_prefill_scores`` is not jitted, so each
+  call traces the patched kernel afresh (no jit cache to clear)."""
   import functools
 
   from pallas_kernels import centroid_lookup as cl
@@ -400,22 +401,19 @@ def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch
   tol = TOL[jnp.float32] if int8 is None else dict(rtol=1e-5, atol=1e-8)
   n_valid = jnp.asarray([100, 37], jnp.int32)
   inside = jnp.arange(150)[None, :] < n_valid[:, None]
-  want_bounded = centroid_lookup_reference(qd, cd, jnp.where(inside, counts, 0), 0.0, scale=0.125)[1]
+  want = {(vote, nv is None): centroid_lookup_reference(qd, cd, counts if nv is None else jnp.where(inside, counts, 0),
+                                                        0.0, scale=0.125, vote=vote)[1]
+          for vote, nv in (("kv", None), ("q", None), ("kv", n_valid))}   # n_valid: one bound per KV head
   orig = cl._score_kernel
   for contiguous in (True, False):
     monkeypatch.setattr(cl, "_score_kernel", functools.partial(orig, contiguous=contiguous))
-    jax.clear_caches()   # the public ops are jitted on their config: trace them again with the patch
-    for vote in ("kv", "q"):
-      _, sc = centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, vote=vote, backend="interpret", config=cfg)
-      np.testing.assert_allclose(sc, centroid_lookup_reference(qd, cd, counts, 0.0, scale=0.125, vote=vote)[1], **tol)
-    got = cl.lookup_prefill_scores(q, cent, counts, n_valid, scale=0.125, groups=2, backend="interpret", cfg=cfg)
-    np.testing.assert_allclose(got, want_bounded, **tol)
+    for (vote, whole), ref in want.items():
+      got = cl.lookup_prefill_scores(q, cent, counts, None if whole else n_valid, scale=0.125,
+                                     groups=2 if vote == "kv" else 8, backend="interpret", cfg=cfg)
+      np.testing.assert_allclose(got, ref, **tol)
   monkeypatch.setattr(cl, "_score_kernel", functools.partial(orig, contiguous=True))
-  jax.clear_caches()
   with pytest.raises(ValueError, match="contiguous q loads need seq_len % block_t == 0, got 37 % 16"):
-    centroid_lookup_prefill(q[:, :37], cent, counts, 0.5, scale=0.125, backend="interpret", config=cfg)
-  monkeypatch.undo()
-  jax.clear_caches()   # no later test may reuse a trace of the patched kernel
+    cl.lookup_prefill_scores(q[:, :37], cent, counts, scale=0.125, groups=2, backend="interpret", cfg=cfg)
 
 
 def test_quantize_int8_rounds_to_the_nearest_step(rng):
