@@ -486,10 +486,11 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
                   tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
-  # the loop).  Without it the passes measured the same and gave the same scores (gpu_h100_ftz_exp2/ab_clamp.py).
+  # the loop).  Without it the 1-level lookup measured the same with the same scores (H100,
+  # gpu_h100_ftz_exp2/clamp_prefill_f5d0951; that run's hierarchical rows hit a jit cache and compare nothing).
   # contiguous (seq_len % block_t == 0 only): each token block's q rows and multipliers as one aligned slice instead
-  # of the masked row gather.  Measured within 2% either way (hierarchical -0.5%, 1-level int8 +1.3%, H100,
-  # gpu_h100_ftz_exp2/contiguous_int8_99ab83d), so the gather stays; kept for sweeps on other GPUs.
+  # of the masked row gather.  Measured within ~2% either way (hierarchical -0.5%, 1-level bf16 -2.2% / int8
+  # +1.3%, H100, gpu_h100_ftz_exp2/contiguous_int8_99ab83d), so the gather stays; kept for sweeps on other GPUs.
   if contiguous and seq_len % block_t:
     raise ValueError(f"contiguous q loads need seq_len % block_t == 0, got {seq_len} % {block_t}")
   rm_ref = None
