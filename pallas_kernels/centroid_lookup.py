@@ -388,7 +388,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
 _ANCHOR_MAX_SUM = 2.0 ** 100   # an anchored sum above this (or NaN) is redone with the running max
 
 
-def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2):
+def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2, pairs=False):
   """The statistics pass's (M, D) with M = the max of the first block's logits (base 2):
   D = sum_j N_j exp2(s_j - M) over blocks [start, stop), no running max.  ``block(b)`` ->
   (valid, counts, logits [Bt, Bc]) of centroid block b.  Falls back to ``exact()`` for the
@@ -399,15 +399,25 @@ def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2):
   m = jnp.max(s, axis=1)                                          # [Bt] the anchor
   first = ex2(s - m[:, None]) * cnt[None, :]                      # masked columns: cnt 0 or exp2(-1e30)
 
-  def body(b, acc):
+  def terms(b):
     _, cnt_b, s_b = block(b)
     # invalid columns: cnt 0 (rows read as 0 give exp2(-M), finite unless M < -128: then NaN -> exact)
-    p = ex2(s_b - m[:, None]) * cnt_b[None, :]
+    return ex2(s_b - m[:, None]) * cnt_b[None, :]
+
+  def add(acc, p):
     return acc + p if tile else acc + jnp.sum(p, axis=1)
 
   acc0 = first if tile else jnp.sum(first, axis=1)
-  acc = lax.fori_loop(start + 1, max(stop, start + 1) if isinstance(stop, int) else jnp.maximum(stop, start + 1),
-                      body, acc0)
+  lo = start + 1
+  hi = max(stop, lo) if isinstance(stop, int) else jnp.maximum(stop, lo)
+  if pairs:   # two blocks per iteration (independent dots and exps), then the odd one
+    mid = lo + (hi - lo) // 2 * 2
+    n2 = (mid - lo) // 2
+    pair = lambda i, a: add(a, terms(lo + 2 * i) + terms(lo + 2 * i + 1))   # noqa: E731
+    acc = lax.fori_loop(0 if isinstance(n2, int) else jnp.int32(0), n2, pair, acc0)
+    acc = lax.fori_loop(mid, hi, lambda b, a: add(a, terms(b)), acc)
+  else:
+    acc = lax.fori_loop(lo, hi, lambda b, a: add(a, terms(b)), acc0)
   l = jnp.sum(acc, axis=1) if tile else acc
   bad = jnp.max(jnp.where((l >= 0.0) & (l <= _ANCHOR_MAX_SUM), 0, 1)) > 0   # NaN fails both
   return lax.cond(bad, exact, lambda: (m, l))
@@ -418,7 +428,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
                   scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None,
-                  int8=None, ex2=jnp.exp2):
+                  int8=None, ex2=jnp.exp2, pairs=False):
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
   if bounded:
@@ -472,7 +482,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   if anchor is None:
     m, l = exact()
   else:
-    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile", ex2=ex2)
+    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile", ex2=ex2, pairs=pairs)
   m_ref[z, h, pl.ds(tb * block_t, block_t)] = m
   l_ref[z, h, pl.ds(tb * block_t, block_t)] = l
 
@@ -484,7 +494,8 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False,
+                  pairs=False):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
   # the loop).  Without it the 1-level lookup measured the same with the same scores (H100,
   # gpu_h100_ftz_exp2/clamp_prefill_f5d0951; that run's hierarchical rows hit a jit cache and compare nothing).
@@ -508,7 +519,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                                      rows_wait_counts=False)    # c: [Bc, d]
   scale2 = scale * _LOG2E   # the statistics pass's base-2 units
 
-  def body(it, acc):
+  def tile(it):
     rr = cm.kdiv(it, n_tb)
     tb = cm.krem(it, n_tb)
     h = grp * r + rr
@@ -527,10 +538,10 @@ def _score_kernel(q_ref,      # [Hq * T, d]
             else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0))
     s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
     x = s - mt[:, None]
-    p = ex2(jnp.minimum(x, 0.0) if clamp else x)                  # invalid columns: zeroed below
-    if tile_acc:
-      return acc + p                                                # [Bt, Bc]
-    return acc + jnp.sum(p, axis=0)
+    return ex2(jnp.minimum(x, 0.0) if clamp else x)               # invalid columns: zeroed below
+
+  def add(acc, p):
+    return acc + p if tile_acc else acc + jnp.sum(p, axis=0)      # [Bt, Bc] | [Bc]
 
   # a block past the group's bound does no work (its output is zero)
   active = cb * block_c < n
@@ -541,7 +552,14 @@ def _score_kernel(q_ref,      # [Hq * T, d]
   start = (z * chunk).astype(jnp.int32)
   stop = jnp.where(active, jnp.minimum(start + chunk, jnp.int32(total)), start).astype(jnp.int32)
   acc0 = jnp.zeros((block_t, block_c) if tile_acc else (block_c,), jnp.float32)
-  acc = lax.fori_loop(start, jnp.maximum(stop, start), body, acc0)
+  stop = jnp.maximum(stop, start)
+  if pairs:   # two tiles per iteration (independent dots and exps), then the odd one
+    half = start + (stop - start) // 2 * 2
+    pair = lambda i, a: add(a, tile(start + 2 * i) + tile(start + 2 * i + 1))   # noqa: E731
+    acc = lax.fori_loop(jnp.int32(0), ((half - start) // 2).astype(jnp.int32), pair, acc0)
+    acc = lax.fori_loop(half, stop, lambda it, a: add(a, tile(it)), acc)
+  else:
+    acc = lax.fori_loop(start, stop, lambda it, a: add(a, tile(it)), acc0)
   if tile_acc:
     acc = jnp.sum(acc, axis=0)
   acc = jnp.where(valid, acc, 0.0)   # once per program instead of once per tile
