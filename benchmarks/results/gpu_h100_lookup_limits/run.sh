@@ -16,13 +16,8 @@ for w in "$@"; do
       timeout 280 python -m benchmarks.speed --only-kernels --lengths 524288 --phases prefill --sparsities 0.9 --shapes 32x8 --budget-s 240 $flag --out $OUT/$w > $OUT/$w/log.txt 2>&1
       echo "$w rc $?"; grep -E "^\| 32/8 \| 524288 \| prefill_4k \| hsqueezed|\[dense" $OUT/$w/speed.md $OUT/$w/log.txt | grep -v '^--' | tail -12 ;;
     regs)
-      timeout 200 env PYTHONPATH=. XLA_FLAGS=--xla_dump_to=/tmp/xd python benchmarks/results/gpu_h100_lookup_limits/regs.py > $OUT/$w/log.txt 2>&1
-      px=$(find / -name ptxas -type f 2>/dev/null | head -1); echo "ptxas: $px" >> $OUT/$w/log.txt
-      for f in $(grep -l "centroid_lookup" /tmp/xd/*.ptx 2>/dev/null); do
-        echo "== $f" >> $OUT/$w/log.txt; $px -arch=sm_90a -v $f -o /dev/null 2>&1 | grep -A2 "centroid_lookup" >> $OUT/$w/log.txt
-      done
-      ls /tmp/xd | head -5 >> $OUT/$w/log.txt; ls /tmp/xd | wc -l >> $OUT/$w/log.txt
-      echo "$w done"; grep -E "Compiling|Used|spill|ptxas:" $OUT/$w/log.txt | head -40 ;;
+      bash benchmarks/results/gpu_h100_lookup_limits/regs.sh $OUT/$w > $OUT/$w/log.txt 2>&1
+      echo "$w rc $?"; cat $OUT/$w/log.txt | head -60 ;;
     checks)
       timeout 240 python -m benchmarks.gpu_kernels --checks-only --out $OUT/checks > $OUT/checks/log.txt 2>&1; echo checks rc $?
       grep -c "| PASS" $OUT/checks/gpu_kernels.md; grep -E "FAIL|ERROR" $OUT/checks/gpu_kernels.md ;;
