@@ -388,7 +388,7 @@ def _decode_kernel(q_ref,      # [Hq, d]
 _ANCHOR_MAX_SUM = 2.0 ** 100   # an anchored sum above this (or NaN) is redone with the running max
 
 
-def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2, pairs=False):
+def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2):
   """The statistics pass's (M, D) with M = the max of the first block's logits (base 2):
   D = sum_j N_j exp2(s_j - M) over blocks [start, stop), no running max.  ``block(b)`` ->
   (valid, counts, logits [Bt, Bc]) of centroid block b.  Falls back to ``exact()`` for the
@@ -399,25 +399,15 @@ def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2, pairs=Fals
   m = jnp.max(s, axis=1)                                          # [Bt] the anchor
   first = ex2(s - m[:, None]) * cnt[None, :]                      # masked columns: cnt 0 or exp2(-1e30)
 
-  def terms(b):
+  def body(b, acc):
     _, cnt_b, s_b = block(b)
     # invalid columns: cnt 0 (rows read as 0 give exp2(-M), finite unless M < -128: then NaN -> exact)
-    return ex2(s_b - m[:, None]) * cnt_b[None, :]
-
-  def add(acc, p):
+    p = ex2(s_b - m[:, None]) * cnt_b[None, :]
     return acc + p if tile else acc + jnp.sum(p, axis=1)
 
   acc0 = first if tile else jnp.sum(first, axis=1)
-  lo = start + 1
-  hi = max(stop, lo) if isinstance(stop, int) else jnp.maximum(stop, lo)
-  if pairs:   # two blocks per iteration (independent dots and exps), then the odd one
-    mid = lo + (hi - lo) // 2 * 2
-    n2 = (mid - lo) // 2
-    pair = lambda i, a: add(a, terms(lo + 2 * i) + terms(lo + 2 * i + 1))   # noqa: E731
-    acc = lax.fori_loop(0 if isinstance(n2, int) else jnp.int32(0), n2, pair, acc0)
-    acc = lax.fori_loop(mid, hi, lambda b, a: add(a, terms(b)), acc)
-  else:
-    acc = lax.fori_loop(lo, hi, lambda b, a: add(a, terms(b)), acc0)
+  acc = lax.fori_loop(start + 1, max(stop, start + 1) if isinstance(stop, int) else jnp.maximum(stop, start + 1),
+                      body, acc0)
   l = jnp.sum(acc, axis=1) if tile else acc
   bad = jnp.max(jnp.where((l >= 0.0) & (l <= _ANCHOR_MAX_SUM), 0, 1)) > 0   # NaN fails both
   return lax.cond(bad, exact, lambda: (m, l))
@@ -428,7 +418,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
                   scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None,
-                  int8=None, ex2=jnp.exp2, pairs=False):
+                  int8=None, ex2=jnp.exp2):
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
   if bounded:
@@ -482,7 +472,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   if anchor is None:
     m, l = exact()
   else:
-    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile", ex2=ex2, pairs=pairs)
+    m, l = _anchored_stats(start, stop, block, exact, tile=anchor == "tile", ex2=ex2)
   m_ref[z, h, pl.ds(tb * block_t, block_t)] = m
   l_ref[z, h, pl.ds(tb * block_t, block_t)] = l
 
@@ -495,7 +485,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
                   tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False,
-                  pairs=False):
+                  prefetch=False):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
   # the loop).  Without it the 1-level lookup measured the same with the same scores (H100,
   # gpu_h100_ftz_exp2/clamp_prefill_f5d0951; that run's hierarchical rows hit a jit cache and compare nothing).
@@ -519,14 +509,17 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                                      rows_wait_counts=False)    # c: [Bc, d]
   scale2 = scale * _LOG2E   # the statistics pass's base-2 units
 
-  def tile(it):
+  def rows(it):
+    """Tile ``it``'s (head, token block, tokens [Bt], valid tokens, first q row or None)."""
     rr = cm.kdiv(it, n_tb)
     tb = cm.krem(it, n_tb)
     h = grp * r + rr
     t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
-    tv = t < seq_len
-    row0 = pl.multiple_of(h * seq_len + tb * block_t, block_t) if contiguous else None
-    q = q_ref[pl.ds(row0, block_t), :] if contiguous else cm.gather_rows(q_ref, h * seq_len + t, d, tv)  # [Bt, d]
+    return h, tb, t, t < seq_len, pl.multiple_of(h * seq_len + tb * block_t, block_t) if contiguous else None
+
+  def row_stats(it):
+    """Tile ``it``'s per-row M + log2 D [Bt] and logit multipliers (int8: [Bt]; else the scalar)."""
+    h, tb, t, tv, row0 = rows(it)
     mt = ms_ref[h, pl.ds(tb * block_t, block_t)]                  # [Bt]
     lt = ls_ref[h, pl.ds(tb * block_t, block_t)]
     # Eq. 1 normalised in the exponent: exp2(s - M - log2 D) = exp2(s - M) / D, no multiply
@@ -536,8 +529,12 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
     mult = (scale2 if rm_ref is None else rm_ref[pl.ds(row0, block_t)] if contiguous
             else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0))
-    s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
-    x = s - mt[:, None]
+    return mt, mult
+
+  def tile(it, mt, mult):
+    h, _, t, tv, row0 = rows(it)
+    q = q_ref[pl.ds(row0, block_t), :] if contiguous else cm.gather_rows(q_ref, h * seq_len + t, d, tv)  # [Bt, d]
+    x = _logits(q, c, mult, int8) - mt[:, None]                   # [Bt, Bc]
     return ex2(jnp.minimum(x, 0.0) if clamp else x)               # invalid columns: zeroed below
 
   def add(acc, p):
@@ -553,13 +550,17 @@ def _score_kernel(q_ref,      # [Hq * T, d]
   stop = jnp.where(active, jnp.minimum(start + chunk, jnp.int32(total)), start).astype(jnp.int32)
   acc0 = jnp.zeros((block_t, block_c) if tile_acc else (block_c,), jnp.float32)
   stop = jnp.maximum(stop, start)
-  if pairs:   # two tiles per iteration (independent dots and exps), then the odd one
-    half = start + (stop - start) // 2 * 2
-    pair = lambda i, a: add(a, tile(start + 2 * i) + tile(start + 2 * i + 1))   # noqa: E731
-    acc = lax.fori_loop(jnp.int32(0), ((half - start) // 2).astype(jnp.int32), pair, acc0)
-    acc = lax.fori_loop(half, stop, lambda it, a: add(a, tile(it)), acc)
+  if prefetch:   # the next tile's row statistics loaded an iteration ahead (they feed no dot: Triton does not pipeline them)
+    last = jnp.int32(total - 1)
+
+    def body(it, carry):
+      acc, cur = carry
+      nxt = row_stats(jnp.minimum(it + 1, last))
+      return add(acc, tile(it, *cur)), nxt
+
+    acc, _ = lax.fori_loop(start, stop, body, (acc0, row_stats(jnp.minimum(start, last))))
   else:
-    acc = lax.fori_loop(start, stop, lambda it, a: add(a, tile(it)), acc0)
+    acc = lax.fori_loop(start, stop, lambda it, a: add(a, tile(it, *row_stats(it))), acc0)
   if tile_acc:
     acc = jnp.sum(acc, axis=0)
   acc = jnp.where(valid, acc, 0.0)   # once per program instead of once per tile

@@ -417,25 +417,23 @@ def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch
 
 
 @pytest.mark.parametrize("int8", [None, "cvt"])
-def test_prefill_pairs_match_reference(rng, int8, monkeypatch):
-  """Both passes with ``pairs`` (two tiles / centroid blocks per loop iteration, then the odd one) give the
-  reference's Eq. 1 averages: even and odd trip counts (ragged T, vote "q" with one head per group, the bounded
-  pass with one and two blocks past the anchor), the tile-accumulating and the reducing scoring pass."""
+def test_prefill_scoring_prefetch_matches_reference(rng, int8, monkeypatch):
+  """The scoring pass with ``prefetch`` (each tile's row statistics loaded one iteration ahead) gives the
+  reference's Eq. 1 averages: one and several tiles per program (ragged T, vote "q" with one head per group,
+  the bounded pass with a block past the bound doing no work), the tile-accumulating and the reducing pass."""
   import functools
 
   from pallas_kernels import centroid_lookup as cl
-  stats, score = cl._stats_kernel, cl._score_kernel
-  monkeypatch.setattr(cl, "_stats_kernel", functools.partial(stats, pairs=True))
-  monkeypatch.setattr(cl, "_score_kernel", functools.partial(score, pairs=True))
+  monkeypatch.setattr(cl, "_score_kernel", functools.partial(cl._score_kernel, prefetch=True))
   tol = TOL[jnp.float32] if int8 is None else dict(rtol=1e-5, atol=1e-8)
-  n_valid = jnp.asarray([100, 37], jnp.int32)                                  # 4 and 2 blocks of 32 (of 5)
+  n_valid = jnp.asarray([100, 37], jnp.int32)
   for t in (64, 37):                                                           # 4 / 3 scoring blocks of 16
     q, cent, counts = make_inputs(rng, 8, 2, t, 150, 64, jnp.bfloat16)
     qd, cd = (q, cent) if int8 is None else cl.quantized_inputs(q, cent)
     inside = jnp.arange(150)[None, :] < n_valid[:, None]
-    for tile_acc in (True, False):
-      cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor="rows", prefill_int8=int8, score_splits=1,
-                                 stats_splits=1, tile_acc=tile_acc)
+    for tile_acc, splits in ((True, 1), (False, 1), (True, 3)):
+      cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor="rows", prefill_int8=int8, score_splits=splits,
+                                 tile_acc=tile_acc)
       for vote, nv in (("kv", None), ("q", None), ("kv", n_valid)):
         ref = centroid_lookup_reference(qd, cd, counts if nv is None else jnp.where(inside, counts, 0), 0.0,
                                         scale=0.125, vote=vote)[1]

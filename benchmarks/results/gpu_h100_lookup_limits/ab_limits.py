@@ -13,11 +13,15 @@ Variants, patched in around the library's call (the jit caches cleared per varia
   the q / centroid tile loads become dead code;
 - ``no_dot_no_exp``: both: what is left is the loop, the per-element arithmetic and the counts.
 
-Part 2, a candidate: ``pairs`` (two tiles per loop iteration: two independent dots, then both tiles' exps) in the
-scoring pass, the statistics pass, or both, on the whole hierarchical lookup (``prefill_ab_calls``), int8 and bf16,
-two alternating rounds; scores against the shipped kernels'.
+Part 2, a candidate: ``prefetch`` (the scoring pass loads the next tile's row statistics -- M + log2 D and the int8
+multipliers, which feed no dot, so Triton does not pipeline them -- one iteration ahead), on the whole hierarchical
+lookup (``prefill_ab_calls``), int8 and bf16, two alternating rounds; scores against the shipped kernels'.  Also
+``stats_nowait`` (the statistics pass's centroid rows loaded without waiting for their counts, as the scoring pass
+loads its block) and both.
+(``pairs``, two tiles per loop iteration in either pass, ran here at fd66490 with that commit's script and was
+removed: slower.)
 
-    python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py OUT_DIR [--interpret]
+    python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py OUT_DIR [ablations] [candidates] [--interpret]
 """
 import functools
 import sys
@@ -32,7 +36,7 @@ from benchmarks.lookup_engines import ab_inputs, kernels_str, prefill_ab_calls, 
 from pallas_kernels import centroid_lookup as cl
 
 BOUND = 0.38
-_SCORE, _STATS, _LOGITS = cl._score_kernel, cl._stats_kernel, cl._logits
+_SCORE, _STATS, _LOGITS, _LOAD = cl._score_kernel, cl._stats_kernel, cl._logits, cl._load_centroid_block
 
 
 def _force(kernel, **kw):
@@ -54,14 +58,14 @@ def _patch(variant: str):
     cl._score_kernel, cl._stats_kernel = _force(_SCORE, ex2=_fake_exp), _force(_STATS, ex2=_fake_exp)
   if "no_dot" in variant:
     cl._logits = _fake_logits
-  if variant in ("pairs_score", "pairs_both"):
-    cl._score_kernel = _force(_SCORE, pairs=True)
-  if variant in ("pairs_stats", "pairs_both"):
-    cl._stats_kernel = _force(_STATS, pairs=True)
+  if "prefetch" in variant:
+    cl._score_kernel = _force(_SCORE, prefetch=True)
+  if "nowait" in variant:   # the statistics pass's centroid rows loaded without waiting for the counts
+    cl._load_centroid_block = _force(_LOAD, rows_wait_counts=False)
   jax.clear_caches()   # the jitted lookups are keyed on their config, not on the kernels
 
   def undo():
-    cl._score_kernel, cl._stats_kernel, cl._logits = _SCORE, _STATS, _LOGITS
+    cl._score_kernel, cl._stats_kernel, cl._logits, cl._load_centroid_block = _SCORE, _STATS, _LOGITS, _LOAD
   return undo
 
 
@@ -74,11 +78,11 @@ def _run(variant, make, reps, interpret):
     undo()
 
 
-def main(out: Path, interpret: bool) -> int:
+def main(out: Path, parts: list, interpret: bool) -> int:
   x = ab_inputs(interpret)
   c1, n1, c2, n2, _ = x.tree
   res = {"meta": metadata(), "shape": dict(L=x.length, T=x.tokens, Hq=x.hq, Hkv=x.hkv, d=x.d, dtype="bfloat16",
-                                           bound=BOUND), "ablations": [], "pairs": []}
+                                           bound=BOUND), "ablations": [], "candidate": []}
   cfgs = (("int8", cl.INT8_PREFILL), ("bf16", cl.DEFAULT_PREFILL))
 
   def level_call(cfg, level):
@@ -93,7 +97,7 @@ def main(out: Path, interpret: bool) -> int:
     return cl.lookup_prefill_scores(q, c, n, nv, scale=x.scale, groups=x.hkv, cfg=cfg, backend=x.backend,
                                     q_int8=q8, c_int8=c8)
 
-  for lo, cfg in cfgs:
+  for lo, cfg in (cfgs if "ablations" in parts else ()):
     for level in ("level 1", "level 2"):
       for variant in ("shipped", "no_exp", "no_dot", "no_dot_no_exp"):
         row, _ = _run(variant, functools.partial(level_call, cfg, level), x.reps, interpret)
@@ -105,9 +109,9 @@ def main(out: Path, interpret: bool) -> int:
 
   calls, _, _ = prefill_ab_calls(x)
   make = calls["hierarchical"]
-  variants = ("shipped", "pairs_score", "pairs_stats", "pairs_both")
+  variants = ("shipped", "prefetch", "stats_nowait", "prefetch_nowait") if "candidates" in parts else ()
   scores = {}
-  for rnd in range(2):
+  for rnd in range(2 if variants else 0):
     for lo, cfg in cfgs:
       for variant in (variants if rnd == 0 else variants[::-1]):
         row, got = _run(variant, functools.partial(make, cfg), x.reps, interpret)
@@ -115,17 +119,17 @@ def main(out: Path, interpret: bool) -> int:
         row.update({"round": rnd, "logits": lo, "variant": variant})
         if variant != "shipped" and (lo, "shipped") in scores:
           row["scores_rel_err_vs_shipped"] = rel(scores[lo, variant], scores[lo, "shipped"])
-        res["pairs"].append(row)
+        res["candidate"].append(row)
         print(f"[{rnd}] hierarchical {lo} {variant:12s} wall {row['wall_ms']:.3f} ms, busy {row.get('busy_ms', 0):.3f}"
               + (f", vs shipped {row['scores_rel_err_vs_shipped']:.1e}" if "scores_rel_err_vs_shipped" in row else "")
               + kernels_str(row), flush=True)
         write_json(out / "ab_limits.json", res)
-  errs = [r["scores_rel_err_vs_shipped"] for r in res["pairs"] if "scores_rel_err_vs_shipped" in r]
+  errs = [r["scores_rel_err_vs_shipped"] for r in res["candidate"] if "scores_rel_err_vs_shipped" in r]
   ok = bool(errs) and max(errs) < 1e-4
-  print("checks", "PASS" if ok else "FAIL", f"(pairs: max rel err vs shipped {max(errs, default=-1):.1e} over "
+  print("checks", "PASS" if ok else "FAIL", f"({variants[1:]}: max rel err vs shipped {max(errs, default=-1):.1e} over "
         f"{len(errs)} rows)")
   return 0 if ok else 1
 
 
 if __name__ == "__main__":
-  sys.exit(main(Path(sys.argv[1]), "--interpret" in sys.argv))
+  sys.exit(main(Path(sys.argv[1]), sys.argv[2:], "--interpret" in sys.argv))

@@ -1,5 +1,5 @@
 #!/bin/bash
-# `run.sh limits`: ab_limits.py (ablations of the prefill lookup passes, and `pairs`); `run.sh checks`: the compiled
+# `run.sh ablations|candidates`: ab_limits.py (ablations of the prefill lookup passes | the candidates; `limits` at fd66490 ran the ablations and `pairs`); `run.sh checks`: the compiled
 # checks; `run.sh int8|bf16`: the #8 prefill rows at 512K through the library path (`speed`, with `--lookup-int8` for
 # int8), cuDNN measured in the same run.  Several words run in order; `int8_2` etc. repeat a word into its own folder.
 # TAR=1: each word's folder comes back as one tarball (the machine returns at most 8 files).
@@ -8,8 +8,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
 for w in "$@"; do
   mkdir -p $OUT/$w
   case ${w%_[0-9]} in
-    limits)
-      timeout 400 env PYTHONPATH=. python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py $OUT/$w > $OUT/$w/log.txt 2>&1
+    ablations|candidates)
+      timeout 400 env PYTHONPATH=. python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py $OUT/$w ${w%_[0-9]} > $OUT/$w/log.txt 2>&1
       echo "$w rc $?"; grep -E "^\[|checks" $OUT/$w/log.txt | cut -c1-330 ;;
     int8|bf16)
       flag=$([ ${w%_[0-9]} = int8 ] && echo --lookup-int8)
