@@ -44,7 +44,10 @@ n = 0
 for f in sorted(cache.rglob("*")):
   if not f.is_file():
     continue
-  data = payload(f.read_bytes())
+  raw = f.read_bytes()
+  data = payload(raw)
+  print(f.name[:60], len(raw), len(data), "ELF" if b"\x7fELF" in data else "-", data.count(b"centroid_lookup"),
+        data[:4])
   i = data.find(b"\x7fELF")
   while i >= 0:
     if len(data) >= i + 64 and data[i + 4] == 2:   # ELF64

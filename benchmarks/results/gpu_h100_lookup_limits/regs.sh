@@ -2,7 +2,7 @@
 # The lookup kernels' registers, spills and SASS: regs.py pulls the cubins out of jax's compilation cache,
 # cuobjdump reads them.  usage: regs.sh OUT_DIR
 out=$1; mkdir -p $out
-env PYTHONPATH=. python benchmarks/results/gpu_h100_lookup_limits/regs.py $out > $out/compile.txt 2>&1; tail -2 $out/compile.txt
+env PYTHONPATH=. python benchmarks/results/gpu_h100_lookup_limits/regs.py $out > $out/compile.txt 2>&1; grep -v -i warn $out/compile.txt | tail -30
 bin=$(dirname $(find / -name cuobjdump -type f 2>/dev/null | head -1))
 rm -rf $out/cache
 for f in $out/k*.cubin; do
