@@ -484,8 +484,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False,
-                  prefetch=False):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
   # the loop).  Without it the 1-level lookup measured the same with the same scores (H100,
   # gpu_h100_ftz_exp2/clamp_prefill_f5d0951; that run's hierarchical rows hit a jit cache and compare nothing).
@@ -509,17 +508,14 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                                      rows_wait_counts=False)    # c: [Bc, d]
   scale2 = scale * _LOG2E   # the statistics pass's base-2 units
 
-  def rows(it):
-    """Tile ``it``'s (head, token block, tokens [Bt], valid tokens, first q row or None)."""
+  def body(it, acc):
     rr = cm.kdiv(it, n_tb)
     tb = cm.krem(it, n_tb)
     h = grp * r + rr
     t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
-    return h, tb, t, t < seq_len, pl.multiple_of(h * seq_len + tb * block_t, block_t) if contiguous else None
-
-  def row_stats(it):
-    """Tile ``it``'s per-row M + log2 D [Bt] and logit multipliers (int8: [Bt]; else the scalar)."""
-    h, tb, t, tv, row0 = rows(it)
+    tv = t < seq_len
+    row0 = pl.multiple_of(h * seq_len + tb * block_t, block_t) if contiguous else None
+    q = q_ref[pl.ds(row0, block_t), :] if contiguous else cm.gather_rows(q_ref, h * seq_len + t, d, tv)  # [Bt, d]
     mt = ms_ref[h, pl.ds(tb * block_t, block_t)]                  # [Bt]
     lt = ls_ref[h, pl.ds(tb * block_t, block_t)]
     # Eq. 1 normalised in the exponent: exp2(s - M - log2 D) = exp2(s - M) / D, no multiply
@@ -529,16 +525,12 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
     mult = (scale2 if rm_ref is None else rm_ref[pl.ds(row0, block_t)] if contiguous
             else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0))
-    return mt, mult
-
-  def tile(it, mt, mult):
-    h, _, t, tv, row0 = rows(it)
-    q = q_ref[pl.ds(row0, block_t), :] if contiguous else cm.gather_rows(q_ref, h * seq_len + t, d, tv)  # [Bt, d]
-    x = _logits(q, c, mult, int8) - mt[:, None]                   # [Bt, Bc]
-    return ex2(jnp.minimum(x, 0.0) if clamp else x)               # invalid columns: zeroed below
-
-  def add(acc, p):
-    return acc + p if tile_acc else acc + jnp.sum(p, axis=0)      # [Bt, Bc] | [Bc]
+    s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
+    x = s - mt[:, None]
+    p = ex2(jnp.minimum(x, 0.0) if clamp else x)                  # invalid columns: zeroed below
+    if tile_acc:
+      return acc + p                                                # [Bt, Bc]
+    return acc + jnp.sum(p, axis=0)
 
   # a block past the group's bound does no work (its output is zero)
   active = cb * block_c < n
@@ -549,18 +541,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
   start = (z * chunk).astype(jnp.int32)
   stop = jnp.where(active, jnp.minimum(start + chunk, jnp.int32(total)), start).astype(jnp.int32)
   acc0 = jnp.zeros((block_t, block_c) if tile_acc else (block_c,), jnp.float32)
-  stop = jnp.maximum(stop, start)
-  if prefetch:   # the next tile's row statistics loaded an iteration ahead (they feed no dot: Triton does not pipeline them)
-    last = jnp.int32(total - 1)
-
-    def body(it, carry):
-      acc, cur = carry
-      nxt = row_stats(jnp.minimum(it + 1, last))
-      return add(acc, tile(it, *cur)), nxt
-
-    acc, _ = lax.fori_loop(start, stop, body, (acc0, row_stats(jnp.minimum(start, last))))
-  else:
-    acc = lax.fori_loop(start, stop, lambda it, a: add(a, tile(it, *row_stats(it))), acc0)
+  acc = lax.fori_loop(start, jnp.maximum(stop, start), body, acc0)
   if tile_acc:
     acc = jnp.sum(acc, axis=0)
   acc = jnp.where(valid, acc, 0.0)   # once per program instead of once per tile

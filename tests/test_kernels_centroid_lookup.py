@@ -416,32 +416,6 @@ def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch
     cl.lookup_prefill_scores(q[:, :37], cent, counts, scale=0.125, groups=2, backend="interpret", cfg=cfg)
 
 
-@pytest.mark.parametrize("int8", [None, "cvt"])
-def test_prefill_scoring_prefetch_matches_reference(rng, int8, monkeypatch):
-  """The scoring pass with ``prefetch`` (each tile's row statistics loaded one iteration ahead) gives the
-  reference's Eq. 1 averages: one and several tiles per program (ragged T, vote "q" with one head per group,
-  the bounded pass with a block past the bound doing no work), the tile-accumulating and the reducing pass."""
-  import functools
-
-  from pallas_kernels import centroid_lookup as cl
-  monkeypatch.setattr(cl, "_score_kernel", functools.partial(cl._score_kernel, prefetch=True))
-  tol = TOL[jnp.float32] if int8 is None else dict(rtol=1e-5, atol=1e-8)
-  n_valid = jnp.asarray([100, 37], jnp.int32)
-  for t in (64, 37):                                                           # 4 / 3 scoring blocks of 16
-    q, cent, counts = make_inputs(rng, 8, 2, t, 150, 64, jnp.bfloat16)
-    qd, cd = (q, cent) if int8 is None else cl.quantized_inputs(q, cent)
-    inside = jnp.arange(150)[None, :] < n_valid[:, None]
-    for tile_acc, splits in ((True, 1), (False, 1), (True, 3)):
-      cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor="rows", prefill_int8=int8, score_splits=splits,
-                                 tile_acc=tile_acc)
-      for vote, nv in (("kv", None), ("q", None), ("kv", n_valid)):
-        ref = centroid_lookup_reference(qd, cd, counts if nv is None else jnp.where(inside, counts, 0), 0.0,
-                                        scale=0.125, vote=vote)[1]
-        got = cl.lookup_prefill_scores(q, cent, counts, nv, scale=0.125, groups=2 if vote == "kv" else 8,
-                                       backend="interpret", cfg=cfg)
-        np.testing.assert_allclose(got, ref, **tol)
-
-
 def test_quantize_int8_rounds_to_the_nearest_step(rng):
   """quantize_int8: max |x| maps to 127, every value within half a step, an all-zero row gets scale 1 and
   zeros (no division by zero); quantized_inputs scales q per (head, token) row and centroids per head."""

@@ -13,16 +13,19 @@ Variants, patched in around the library's call (the jit caches cleared per varia
   the q / centroid tile loads become dead code;
 - ``no_dot_no_exp``: both: what is left is the loop, the per-element arithmetic and the counts.
 
-Part 2, a candidate: ``prefetch`` (the scoring pass loads the next tile's row statistics -- M + log2 D and the int8
-multipliers, which feed no dot, so Triton does not pipeline them -- one iteration ahead), on the whole hierarchical
-lookup (``prefill_ab_calls``), int8 and bf16, two alternating rounds; scores against the shipped kernels'.  Also
-``stats_nowait`` (the statistics pass's centroid rows loaded without waiting for their counts, as the scoring pass
-loads its block) and both.
-(``pairs``, two tiles per loop iteration in either pass, ran here at fd66490 with that commit's script and was
-removed: slower.)
+Part 2, candidates, on the whole hierarchical lookup (``prefill_ab_calls``) and the 1-level one, int8 and bf16, two
+alternating rounds, scores against the shipped kernels':
+- ``nowait1``: the statistics pass of an unbounded call (the 1-level lookup, the hierarchical level 1) loads its
+  centroid rows without waiting for their counts, as the scoring pass loads its block (bounded calls unchanged);
+- ``score128x8``: scoring tiles of 128 tokens on 8 warps (two warpgroups, each its own 64 rows);
+- ``stats128x8``: statistics blocks of 128 tokens on 8 warps.
+Earlier candidates, removed after measuring at the commits named: ``pairs`` (two tiles per loop iteration in either
+pass; fd66490: slower), ``prefetch`` (the scoring pass's row statistics loaded an iteration ahead; 94ddc59, H200: level
+2 unchanged) and ``stats_nowait`` on every statistics pass (94ddc59: level 1 -7%, level 2 +2%).
 
     python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py OUT_DIR [ablations] [candidates] [--interpret]
 """
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -58,10 +61,9 @@ def _patch(variant: str):
     cl._score_kernel, cl._stats_kernel = _force(_SCORE, ex2=_fake_exp), _force(_STATS, ex2=_fake_exp)
   if "no_dot" in variant:
     cl._logits = _fake_logits
-  if "prefetch" in variant:
-    cl._score_kernel = _force(_SCORE, prefetch=True)
-  if "nowait" in variant:   # the statistics pass's centroid rows loaded without waiting for the counts
-    cl._load_centroid_block = _force(_LOAD, rows_wait_counts=False)
+  if variant == "nowait1":   # unbounded statistics passes (live=None) load rows without waiting for counts
+    cl._load_centroid_block = lambda *a, **k: _LOAD(*a, **({**k, "rows_wait_counts": False} if k.get("live") is None
+                                                          else k))
   jax.clear_caches()   # the jitted lookups are keyed on their config, not on the kernels
 
   def undo():
@@ -108,22 +110,24 @@ def main(out: Path, parts: list, interpret: bool) -> int:
         write_json(out / "ab_limits.json", res)
 
   calls, _, _ = prefill_ab_calls(x)
-  make = calls["hierarchical"]
-  variants = ("shipped", "prefetch", "stats_nowait", "prefetch_nowait") if "candidates" in parts else ()
+  tilings = {"score128x8": dict(score_block_t=128, score_warps=8), "stats128x8": dict(block_t=128, num_warps=8)}
+  variants = ("shipped", "nowait1", *tilings) if "candidates" in parts else ()
   scores = {}
   for rnd in range(2 if variants else 0):
-    for lo, cfg in cfgs:
-      for variant in (variants if rnd == 0 else variants[::-1]):
-        row, got = _run(variant, functools.partial(make, cfg), x.reps, interpret)
-        scores[lo, variant] = np.asarray(got[1])
-        row.update({"round": rnd, "logits": lo, "variant": variant})
-        if variant != "shipped" and (lo, "shipped") in scores:
-          row["scores_rel_err_vs_shipped"] = rel(scores[lo, variant], scores[lo, "shipped"])
-        res["candidate"].append(row)
-        print(f"[{rnd}] hierarchical {lo} {variant:12s} wall {row['wall_ms']:.3f} ms, busy {row.get('busy_ms', 0):.3f}"
-              + (f", vs shipped {row['scores_rel_err_vs_shipped']:.1e}" if "scores_rel_err_vs_shipped" in row else "")
-              + kernels_str(row), flush=True)
-        write_json(out / "ab_limits.json", res)
+    for what, make in calls.items():
+      for lo, cfg in cfgs:
+        for variant in (variants if rnd == 0 else variants[::-1]):
+          vcfg = dataclasses.replace(cfg, **tilings.get(variant, {}))
+          row, got = _run(variant, functools.partial(make, vcfg), x.reps, interpret)
+          sc = scores[what, lo, variant] = np.asarray(got[1] if what == "hierarchical" else got)
+          row.update({"round": rnd, "lookup": what, "logits": lo, "variant": variant})
+          if variant != "shipped" and (what, lo, "shipped") in scores:
+            row["scores_rel_err_vs_shipped"] = rel(sc, scores[what, lo, "shipped"])
+          res["candidate"].append(row)
+          print(f"[{rnd}] {what:12s} {lo} {variant:10s} wall {row['wall_ms']:.3f} ms, busy {row.get('busy_ms', 0):.3f}"
+                + (f", vs shipped {row['scores_rel_err_vs_shipped']:.1e}" if "scores_rel_err_vs_shipped" in row else "")
+                + kernels_str(row), flush=True)
+          write_json(out / "ab_limits.json", res)
   errs = [r["scores_rel_err_vs_shipped"] for r in res["candidate"] if "scores_rel_err_vs_shipped" in r]
   ok = bool(errs) and max(errs) < 1e-4
   print("checks", "PASS" if ok else "FAIL", f"({variants[1:]}: max rel err vs shipped {max(errs, default=-1):.1e} over "
