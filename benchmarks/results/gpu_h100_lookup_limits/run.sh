@@ -18,6 +18,8 @@ for w in "$@"; do
     regs)
       bash benchmarks/results/gpu_h100_lookup_limits/regs.sh $OUT/$w > $OUT/$w/log.txt 2>&1
       echo "$w rc $?"; cat $OUT/$w/log.txt | head -60 ;;
+    ncu)
+      bash benchmarks/results/gpu_h100_lookup_limits/run_ncu.sh $OUT/$w ;;
     checks)
       timeout 240 python -m benchmarks.gpu_kernels --checks-only --out $OUT/checks > $OUT/checks/log.txt 2>&1; echo checks rc $?
       grep -c "| PASS" $OUT/checks/gpu_kernels.md; grep -E "FAIL|ERROR" $OUT/checks/gpu_kernels.md ;;
