@@ -117,6 +117,11 @@ class CentroidLookupConfig:
     (``_common.exp2_ftz``) instead of ``jnp.exp2``, which XLA compiles without flush-to-zero
     (``ex2.approx.f32``: extra instructions per element for subnormal results).  Results
     differ only below 2^-126.  The interpreter computes both as ``lax.exp2``.
+  stats_rows_wait: whether the prefill statistics pass loads a centroid row only once its count is read (an empty
+    cluster's row is then not read); False: rows are read under the bound alone, without waiting.  None: False for an
+    unbounded int8 pass, else True -- on an H200 at 512K / 4K tokens an unbounded int8 statistics pass took 0.302 vs
+    0.325 ms (hierarchical level 1) and 1.48 vs 1.61 ms (1-level) without waiting, with the same scores; the bounded
+    level 2 (+2%) and the bf16 passes (+3%) were slower that way (benchmarks/results/gpu_h100_lookup_limits).
   """
   block_c: int = 128
   block_t: int = 64
@@ -136,6 +141,7 @@ class CentroidLookupConfig:
   mosaic: MosaicLookupConfig | None = None
   prefill_int8: str | None = None
   exp2_ftz: bool = True
+  stats_rows_wait: bool | None = None
 
   def __post_init__(self):
     if self.prefill_engine not in PREFILL_ENGINES:
@@ -160,6 +166,8 @@ class CentroidLookupConfig:
       raise ValueError(f"stats_anchor must be None, 'rows' or 'tile', got {self.stats_anchor!r}")
     if not isinstance(self.level2_rows, int) or self.level2_rows < 1:
       raise ValueError(f"level2_rows must be a positive int, got {self.level2_rows!r}")
+    if self.stats_rows_wait not in (None, True, False):
+      raise ValueError(f"stats_rows_wait must be None, True or False, got {self.stats_rows_wait!r}")
     if self.prefill_int8 not in INT8_MODES:
       raise ValueError(f"prefill_int8 must be one of {INT8_MODES}, got {self.prefill_int8!r}")
     if self.prefill_int8 is not None and self.prefill_engine == "mosaic":
@@ -418,7 +426,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
                   scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None,
-                  int8=None, ex2=jnp.exp2):
+                  int8=None, ex2=jnp.exp2, rows_wait=None):
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
   if bounded:
@@ -436,10 +444,12 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
   # base-2 logits: exp2 is the hardware's exp (int8: the row's scales times this, from the caller)
   mult = scale * _LOG2E if int8 is None else cm.gather_vec(rm_ref, h * seq_len + t, t < seq_len, other=0.0)
 
+  rows_wait = (bounded or int8 is None) if rows_wait is None else rows_wait   # see CentroidLookupConfig.stats_rows_wait
+
   def block(b):
     j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
-                                         live=(j < n) if bounded else None)
+                                         live=(j < n) if bounded else None, rows_wait_counts=rows_wait)
     return valid, cnt, _logits(q, c, mult, int8)                 # [Bt, Bc] log2 units
 
   def body(b, carry):
@@ -711,7 +721,7 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   ssplits = stats_splits(cfg, (t_pad // bt_a) * hq, cm.cdiv(num_c, bc_a), n_valid is not None)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, anchor=cfg.stats_anchor,
-                        **common),
+                        rows_wait=cfg.stats_rows_wait, **common),
       backend=backend, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       grid=(t_pad // bt_a, hq, ssplits),
       out_shape=[jax.ShapeDtypeStruct((ssplits, hq, t_pad), jnp.float32)] * 2,

@@ -416,6 +416,30 @@ def test_prefill_scoring_contiguous_loads_match_reference(rng, int8, monkeypatch
     cl.lookup_prefill_scores(q[:, :37], cent, counts, scale=0.125, groups=2, backend="interpret", cfg=cfg)
 
 
+@pytest.mark.parametrize("int8", [None, "cvt"])
+def test_prefill_stats_rows_wait_setting_gives_the_same_scores(rng, int8):
+  """``stats_rows_wait`` None (automatic), True and False give the reference's Eq. 1 averages over empty clusters
+  (their rows read or not), with the running-max and the anchored statistics pass, bounded and not; a value that is
+  not a bool or None is refused by name."""
+  from pallas_kernels import centroid_lookup as cl
+  q, cent, counts = make_inputs(rng, 8, 2, 37, 150, 64, jnp.bfloat16, empty_frac=0.4)
+  qd, cd = (q, cent) if int8 is None else cl.quantized_inputs(q, cent)
+  tol = TOL[jnp.float32] if int8 is None else dict(rtol=1e-5, atol=1e-8)
+  n_valid = jnp.asarray([100, 37], jnp.int32)
+  inside = jnp.arange(150)[None, :] < n_valid[:, None]
+  for nv in (None, n_valid):
+    ref = centroid_lookup_reference(qd, cd, counts if nv is None else jnp.where(inside, counts, 0), 0.0,
+                                    scale=0.125, vote="kv")[1]
+    for anchor in (None, "rows"):
+      for wait in (None, True, False):
+        cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor, prefill_int8=int8,
+                                   stats_rows_wait=wait)
+        got = cl.lookup_prefill_scores(q, cent, counts, nv, scale=0.125, groups=2, backend="interpret", cfg=cfg)
+        np.testing.assert_allclose(got, ref, **tol)
+  with pytest.raises(ValueError, match="stats_rows_wait must be None, True or False, got 'yes'"):
+    CentroidLookupConfig(stats_rows_wait="yes")
+
+
 def test_quantize_int8_rounds_to_the_nearest_step(rng):
   """quantize_int8: max |x| maps to 127, every value within half a step, an all-zero row gets scale 1 and
   zeros (no division by zero); quantized_inputs scales q per (head, token) row and centroids per head."""

@@ -15,15 +15,17 @@ Variants, patched in around the library's call (the jit caches cleared per varia
 
 Part 2, candidates, on the whole hierarchical lookup (``prefill_ab_calls``) and the 1-level one, int8 and bf16, two
 alternating rounds, scores against the shipped kernels':
-- ``nowait1``: the statistics pass of an unbounded call (the 1-level lookup, the hierarchical level 1) loads its
-  centroid rows without waiting for their counts, as the scoring pass loads its block (bounded calls unchanged);
+- ``rows_wait`` / ``nowait``: ``CentroidLookupConfig.stats_rows_wait`` True / False (every statistics pass loads its
+  centroid rows only after their counts / without waiting).  At 1aaff9e, before that setting existed, this ran as
+  ``nowait1`` (unbounded statistics passes without waiting) against the shipped kernels (all waiting): the H200 run
+  behind the setting's automatic value (None: no wait for an unbounded int8 pass);
 - ``score128x8``: scoring tiles of 128 tokens on 8 warps (two warpgroups, each its own 64 rows);
 - ``stats128x8``: statistics blocks of 128 tokens on 8 warps.
 Earlier candidates, removed after measuring at the commits named: ``pairs`` (two tiles per loop iteration in either
-pass; fd66490: slower), ``prefetch`` (the scoring pass's row statistics loaded an iteration ahead; 94ddc59, H200: level
+pass; 293dd38, the kernels of fd66490: slower), ``prefetch`` (the scoring pass's row statistics loaded an iteration ahead; 94ddc59, H200: level
 2 unchanged) and ``stats_nowait`` on every statistics pass (94ddc59: level 1 -7%, level 2 +2%).
 
-    python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py OUT_DIR [ablations] [candidates] [--interpret]
+    python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py OUT_DIR [ablations] [candidates | rows_wait nowait ...] [--interpret]
 """
 import dataclasses
 import functools
@@ -39,7 +41,7 @@ from benchmarks.lookup_engines import ab_inputs, kernels_str, prefill_ab_calls, 
 from pallas_kernels import centroid_lookup as cl
 
 BOUND = 0.38
-_SCORE, _STATS, _LOGITS, _LOAD = cl._score_kernel, cl._stats_kernel, cl._logits, cl._load_centroid_block
+_SCORE, _STATS, _LOGITS = cl._score_kernel, cl._stats_kernel, cl._logits
 
 
 def _force(kernel, **kw):
@@ -61,13 +63,10 @@ def _patch(variant: str):
     cl._score_kernel, cl._stats_kernel = _force(_SCORE, ex2=_fake_exp), _force(_STATS, ex2=_fake_exp)
   if "no_dot" in variant:
     cl._logits = _fake_logits
-  if variant == "nowait1":   # unbounded statistics passes (live=None) load rows without waiting for counts
-    cl._load_centroid_block = lambda *a, **k: _LOAD(*a, **({**k, "rows_wait_counts": False} if k.get("live") is None
-                                                          else k))
   jax.clear_caches()   # the jitted lookups are keyed on their config, not on the kernels
 
   def undo():
-    cl._score_kernel, cl._stats_kernel, cl._logits, cl._load_centroid_block = _SCORE, _STATS, _LOGITS, _LOAD
+    cl._score_kernel, cl._stats_kernel, cl._logits = _SCORE, _STATS, _LOGITS
   return undo
 
 
@@ -110,8 +109,10 @@ def main(out: Path, parts: list, interpret: bool) -> int:
         write_json(out / "ab_limits.json", res)
 
   calls, _, _ = prefill_ab_calls(x)
-  tilings = {"score128x8": dict(score_block_t=128, score_warps=8), "stats128x8": dict(block_t=128, num_warps=8)}
-  variants = ("shipped", "nowait1", *tilings) if "candidates" in parts else ()
+  tilings = {"rows_wait": dict(stats_rows_wait=True), "nowait": dict(stats_rows_wait=False),
+             "score128x8": dict(score_block_t=128, score_warps=8), "stats128x8": dict(block_t=128, num_warps=8)}
+  variants = ("shipped", *[v for v in tilings if v in parts or "candidates" in parts]) if set(parts) & {
+      "candidates", *tilings} else ()
   scores = {}
   for rnd in range(2 if variants else 0):
     for what, make in calls.items():
