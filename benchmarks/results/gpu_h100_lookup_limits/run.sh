@@ -16,6 +16,12 @@ for w in "$@"; do
       flag=$([ ${w%_[0-9]} = int8 ] && echo --lookup-int8)
       timeout 280 python -m benchmarks.speed --only-kernels --lengths 524288 --phases prefill --sparsities 0.9 --shapes 32x8 --budget-s 240 $flag --out $OUT/$w > $OUT/$w/log.txt 2>&1
       echo "$w rc $?"; grep -E "^\| 32/8 \| 524288 \| prefill_4k \| hsqueezed|\[dense" $OUT/$w/speed.md $OUT/$w/log.txt | grep -v '^--' | tail -12 ;;
+    loop)
+      for cb in default off; do
+        flags=$([ $cb = off ] && echo "--xla_gpu_enable_command_buffer=")
+        timeout 250 env PYTHONPATH=. XLA_FLAGS="$flags" python benchmarks/results/gpu_h100_lookup_limits/loop_probe.py $OUT/$w/loop_$cb.json > $OUT/$w/log_$cb.txt 2>&1
+        echo "$w $cb rc $?"; grep -E "^per call|gaps" $OUT/$w/log_$cb.txt | cut -c1-400
+      done ;;
     ncu)
       bash benchmarks/results/gpu_h100_lookup_limits/run_ncu.sh $OUT/$w ;;
     checks)
