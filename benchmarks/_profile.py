@@ -181,3 +181,24 @@ def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
 def kernel_time_per_call(call: Callable, sets: list, *, n: int = 10, top: int = 12) -> dict | None:
     """`trace_calls` on the first device: {busy_ms_per_call, kernels}, or None without a device."""
     return next(iter(trace_calls(call, sets, n=n, top=top).values()), None)
+
+
+def loop_trace(fn: Callable, queries: list, *, fixed: tuple = (), n_iter: int, top: int = 6) -> dict | None:
+    """A trace of the device loop that ``_meta.time_ms_looped`` times (``n_iter`` calls of ``fn(q, *fixed)`` in one
+    jitted ``fori_loop``), per call on the first device: {busy_ms_per_call, span_ms_per_call, kernels_per_call,
+    gaps: the longest idle intervals, largest: the kernels (and copies) with the most time}; None without a device.
+    What the loop spends beyond the kernels of back-to-back calls shows here (copies, gaps between iterations)."""
+    import jax
+
+    from benchmarks._meta import looped_program
+
+    prog = looped_program(fn, len(queries), n_iter=n_iter)
+    qs = jax.numpy.stack(list(queries))
+    jax.block_until_ready(prog(qs, fixed))
+    act = next(iter(device_activity(lambda: jax.block_until_ready(prog(qs, fixed)), top=top).values()), None)
+    if act is None:
+        return None
+    return {"busy_ms_per_call": act["busy_ms"] / n_iter, "span_ms_per_call": act["span_ms"] / n_iter,
+            "kernels_per_call": act["n_kernels"] / n_iter, "gaps": act["gaps"][:top],
+            "largest": [{"name": k["name"], "ms_per_call": k["total_ms"] / n_iter, "per_call": k["count"] / n_iter}
+                        for k in act["by_name"]]}

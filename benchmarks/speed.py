@@ -43,7 +43,7 @@ import numpy as np
 
 from benchmarks._meta import (dispatch_ms, metadata, time_ms, time_ms_looped, time_ms_steady, time_ms_unrolled,
                               write_json)
-from benchmarks._profile import device_activity, kernel_time_per_call
+from benchmarks._profile import device_activity, kernel_time_per_call, loop_trace
 
 BF16 = jnp.bfloat16
 
@@ -313,6 +313,10 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
         row["total_loop_ms"] = time_ms_looped(timed, qs, fixed=fixed, n_iter=_loop_iters(plan, t), reps=plan.reps)
         if best_dense_loop:
             row["speedup_vs_best_dense_loop"] = best_dense_loop / row["total_loop_ms"]
+        if t > 1:   # where the loop's time goes (GPU only): kernels, copies and gaps per call inside the loop
+            row["prefill_loop_trace"] = lt = loop_trace(timed, qs, fixed=fixed, n_iter=_loop_iters(plan, t))
+            if lt:
+                log(f"[loop trace] {method.name} L={length} T={t}: {_loop_trace_str(lt)}")
         if t == 1:
             row["total_unrolled_ms"] = time_ms_unrolled(timed, qs, fixed=fixed, n_calls=plan.unroll_calls,
                                                         reps=plan.reps)
@@ -398,6 +402,14 @@ def _loop_iters(plan: Plan, t: int) -> int:
     return plan.loop_iters if t == 1 else plan.prefill_loop_iters
 
 
+def _loop_trace_str(lt: dict) -> str:
+    """One line of a `loop_trace`: per call busy / span ms, kernels, the largest kernels and the longest gaps."""
+    return (f"busy {lt['busy_ms_per_call']:.3f} ms, span {lt['span_ms_per_call']:.3f} ms, "
+            f"{lt['kernels_per_call']:.1f} kernels per call; largest "
+            + ", ".join(f"{k['name'][:28]} {k['ms_per_call']:.3f}" for k in lt["largest"][:5])
+            + "; gaps " + ", ".join(f"{g['ms']:.3f} {g['after'][:20]}>{g['before'][:20]}" for g in lt["gaps"][:3]))
+
+
 def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
     """Dense baselines, new part appended outside the timing: cuDNN, XLA (where its T x L scores
     fit), for decode the Pallas split-KV dense kernel (`pallas_kernels.dense_decode_attention`), for
@@ -438,6 +450,11 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
                     times[name] = time_ms_unrolled(fn, queries, fixed=fixed, n_calls=plan.unroll_calls, reps=plan.reps)
                 elif mode == "loop":
                     times[name] = time_ms_looped(fn, queries, fixed=fixed, n_iter=_loop_iters(plan, t), reps=plan.reps)
+                    if t > 1:   # the loop's own trace (GPU only), as for the sparse rows
+                        lt = out.setdefault("loop_trace", {})[name] = loop_trace(fn, queries, fixed=fixed,
+                                                                                 n_iter=_loop_iters(plan, t))
+                        if lt:
+                            log(f"[loop trace] {tag} {name}: {_loop_trace_str(lt)}")
                 elif mode == "steady":
                     times[name] = time_ms_steady(fn, [(qq, *fixed) for qq in queries])
                 else:
@@ -508,7 +525,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                                                 for x in (dense_ms, dense_loop, dense_unr, dense_kern))
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
                 "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr,
-                "dense_kernel_busy_ms": dense_kern, "dense_steady_ms": dense.get("steady", {})}
+                "dense_kernel_busy_ms": dense_kern, "dense_steady_ms": dense.get("steady", {}),
+                "dense_loop_trace": dense.get("loop_trace", {})}
         for sp in sps:
             frac = None
             for name in ("squeezed", "hsqueezed"):
