@@ -138,11 +138,10 @@ def _quantized(q: jax.Array, *centroids: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _token_mean(s: jax.Array, q_valid: jax.Array | None) -> jax.Array:
-    """Mean over the token axis (2) of [Hkv, g, T, C], over valid tokens only."""
-    if q_valid is None:
-        return jnp.mean(s, axis=2)
-    w = q_valid.astype(jnp.float32)[None, None, :, None]
-    return jnp.sum(s * w, axis=2) / jnp.maximum(jnp.sum(w), 1.0)
+    """Mean over the token axis (2) of [Hkv, g, T, C], over valid tokens only (the kernels' own rule)."""
+    from pallas_kernels._common import token_mean
+
+    return token_mean(s, q_valid, 2)
 
 
 class HierarchicalScores(NamedTuple):
