@@ -190,6 +190,45 @@ def exp2_ftz(x):
   return exp2_ftz_p.bind(x)
 
 
+def _mul_add(x, y, z):
+  return x * y + z
+
+
+fma_p = jax.extend.core.Primitive("sqjax_fma")
+fma_p.def_impl(_mul_add)
+fma_p.def_abstract_eval(lambda x, y, z: jax.core.ShapedArray(x.shape, x.dtype))
+jax.interpreters.mlir.register_lowering(fma_p, jax.interpreters.mlir.lower_fun(_mul_add, multiple_results=False))
+
+
+def _fma_batch(args, dims):
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  args = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+          for a, d in zip(args, dims)]
+  return fma_p.bind(*args), 0
+
+
+jax.interpreters.batching.primitive_batchers[fma_p] = _fma_batch
+
+
+@_triton_lowering.register_lowering(fma_p)
+def _fma_triton(ctx, x, y, z):
+  """``fma.rn.f32``: one FFMA per element.  XLA's Triton pipeline does not contract a multiply and an add
+  (ncu counted 177M unfused and 20M fused FP32 instructions in the level-2 scoring pass,
+  benchmarks/results/gpu_h100_lookup_limits), so the kernels ask for it."""
+  [out] = _triton_lowering.triton_lowering_rules[_triton_primitives.elementwise_inline_asm_p](
+      ctx, x, y, z, asm="fma.rn.f32 $0, $1, $2, $3;", constraints="=f,f,f,f", pack=1, result_shape_dtypes=None)
+  return out
+
+
+def fma(x, y, z):
+  """``x * y + z`` for f32 arrays of one shape: on the GPU one ``fma.rn.f32`` (a single rounding; see
+  ``_fma_triton``), elsewhere (the interpreter, other lowerings) a multiply and an add."""
+  for a in (x, y, z):
+    if a.dtype != jnp.float32 or a.shape != x.shape:
+      raise TypeError(f"fma takes float32 arrays of one shape, got {[(v.dtype, v.shape) for v in (x, y, z)]}")
+  return fma_p.bind(x, y, z)
+
+
 def gather_rows(ref, rows, ncols: int, mask, other=0):
   """Masked row gather ``ref[rows, :ncols]`` from a 2-D ref -> [len(rows), ncols].
 

@@ -122,6 +122,9 @@ class CentroidLookupConfig:
     unbounded int8 pass, else True -- on an H200 at 512K / 4K tokens an unbounded int8 statistics pass took 0.302 vs
     0.325 ms (hierarchical level 1) and 1.48 vs 1.61 ms (1-level) without waiting, with the same scores; the bounded
     level 2 (+2%) and the bf16 passes (+3%) were slower that way (benchmarks/results/gpu_h100_lookup_limits).
+  logits_fma: the prefill passes form ``s * multiplier - bias`` (the scoring pass's M + log2 D, the anchored
+    statistics pass's anchor) as one ``fma.rn.f32`` per element (``_common.fma``): XLA's Triton pipeline does not
+    contract a multiply and an add.  Off the GPU both settings compute the same values.
   """
   block_c: int = 128
   block_t: int = 64
@@ -142,6 +145,7 @@ class CentroidLookupConfig:
   prefill_int8: str | None = None
   exp2_ftz: bool = True
   stats_rows_wait: bool | None = None
+  logits_fma: bool = True
 
   def __post_init__(self):
     if self.prefill_engine not in PREFILL_ENGINES:
@@ -166,6 +170,8 @@ class CentroidLookupConfig:
       raise ValueError(f"stats_anchor must be None, 'rows' or 'tile', got {self.stats_anchor!r}")
     if not isinstance(self.level2_rows, int) or self.level2_rows < 1:
       raise ValueError(f"level2_rows must be a positive int, got {self.level2_rows!r}")
+    if not isinstance(self.logits_fma, bool):
+      raise ValueError(f"logits_fma must be a bool, got {self.logits_fma!r}")
     if self.stats_rows_wait not in (None, True, False):
       raise ValueError(f"stats_rows_wait must be None, True or False, got {self.stats_rows_wait!r}")
     if self.prefill_int8 not in INT8_MODES:
@@ -204,18 +210,30 @@ def quantized_inputs(q: jax.Array, *centroids: jax.Array) -> tuple[jax.Array, ..
   return tuple(v * sc for v, sc in (_int8_q(q), *map(_int8_c, centroids)))
 
 
-def _logits(q, c, mult, int8):
-  """[Bt, Bc] logits in log2 units: ``q.C * mult`` (mult: a scalar, or [Bt] per row).  ``int8``:
-  q, c are int8 and the int32 dot is converted to f32 (``"cvt"``) or read through the magic bits
-  (``"magic"``: one integer add, and the subtraction folded into the multiply-add)."""
+def _logits(q, c, mult, int8, bias=None, fused=False):
+  """[Bt, Bc] logits in log2 units: ``q.C * mult`` (mult: a scalar, or [Bt] per row), minus ``bias`` [Bt]
+  per row when given.  ``int8``: q, c are int8 and the int32 dot is converted to f32 (``"cvt"``) or read
+  through the magic bits (``"magic"``: one integer add, and the subtraction folded into the multiply-add).
+  ``fused``: the multiply and the bias as one ``_common.fma`` per element (XLA's Triton pipeline does not
+  contract them); the same values off the GPU."""
   acc = plgpu.dot(q, c, trans_b=True)
-  if int8 is None:
-    return acc * mult
-  m = mult[:, None]
-  if int8 == "cvt":
-    return acc.astype(jnp.float32) * m
-  f = lax.bitcast_convert_type(acc + jnp.int32(_MAGIC), jnp.float32)   # 1.5 * 2^23 + acc, exactly
-  return f * m - (_MAGIC_F * mult)[:, None]                      # one multiply-add per element
+  shape = acc.shape
+  m = mult if int8 is None else mult[:, None]
+  if int8 == "magic":
+    acc = lax.bitcast_convert_type(acc + jnp.int32(_MAGIC), jnp.float32)   # 1.5 * 2^23 + acc, exactly
+    off = (_MAGIC_F * mult)[:, None]
+  else:
+    acc = acc if int8 is None else acc.astype(jnp.float32)
+    off = None
+  # "magic": the large offset first (folding the bias into it would round the bias away)
+  sub = off if off is not None else None if bias is None else bias[:, None]
+  if sub is None:
+    x = acc * m
+  elif fused:
+    x = cm.fma(acc, jnp.broadcast_to(m, shape), jnp.broadcast_to(-sub, shape))
+  else:
+    x = acc * m - sub
+  return x - bias[:, None] if off is not None and bias is not None else x
 
 
 # The prefill kernels' tiling when none is given (decode: ``CentroidLookupConfig()``): the
@@ -408,9 +426,9 @@ def _anchored_stats(start, stop, block, exact, *, tile, ex2=jnp.exp2):
   first = ex2(s - m[:, None]) * cnt[None, :]                      # masked columns: cnt 0 or exp2(-1e30)
 
   def body(b, acc):
-    _, cnt_b, s_b = block(b)
+    _, cnt_b, x_b = block(b, m)                                   # s - M
     # invalid columns: cnt 0 (rows read as 0 give exp2(-M), finite unless M < -128: then NaN -> exact)
-    p = ex2(s_b - m[:, None]) * cnt_b[None, :]
+    p = ex2(x_b) * cnt_b[None, :]
     return acc + p if tile else acc + jnp.sum(p, axis=1)
 
   acc0 = first if tile else jnp.sum(first, axis=1)
@@ -426,7 +444,7 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
                   n_ref,      # [Hkv * C] int32
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, m [S, Hq, Tp], l [S, Hq, Tp]
                   scale, seq_len, num_c, group, r, block_t, block_c, d, bounded, splits=1, anchor=None,
-                  int8=None, ex2=jnp.exp2, rows_wait=None):
+                  int8=None, ex2=jnp.exp2, rows_wait=None, fused=False):
   if int8 is not None:
     rm_ref, refs = refs[0], refs[1:]
   if bounded:
@@ -446,11 +464,11 @@ def _stats_kernel(q_ref,      # [Hq * T, d]
 
   rows_wait = (bounded or int8 is None) if rows_wait is None else rows_wait   # see CentroidLookupConfig.stats_rows_wait
 
-  def block(b):
+  def block(b, bias=None):
     j = b * block_c + jnp.arange(block_c, dtype=jnp.int32)
     valid, cnt, c = _load_centroid_block(c_ref, n_ref, kv=kv, j=j, num_c=num_c, d=d,
                                          live=(j < n) if bounded else None, rows_wait_counts=rows_wait)
-    return valid, cnt, _logits(q, c, mult, int8)                 # [Bt, Bc] log2 units
+    return valid, cnt, _logits(q, c, mult, int8, bias, fused)    # [Bt, Bc] log2 units (minus bias [Bt])
 
   def body(b, carry):
     m_prev, l_prev = carry
@@ -494,7 +512,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
                   ls_ref,     # [Hq, Tp] f32 (kernel A)
                   *refs,      # (row multipliers [Hq * T])?, (n_valid [G])?, out [G, splits, nB * Bc]
                   scale, seq_len, num_c, group, r, n_tb, block_t, block_c, d, bounded,
-                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False):
+                  tile_acc=False, splits=1, int8=None, ex2=jnp.exp2, clamp=True, contiguous=False, fused=False):
   # clamp: exp2's argument capped at 0 (a valid column's is <= 0 up to rounding; padded columns are zeroed after
   # the loop).  Without it the 1-level lookup measured the same with the same scores (H100,
   # gpu_h100_ftz_exp2/clamp_prefill_f5d0951; that run's hierarchical rows hit a jit cache and compare nothing).
@@ -535,8 +553,7 @@ def _score_kernel(q_ref,      # [Hq * T, d]
     mt = jnp.where(ok, mt + jnp.log2(jnp.where(ok, lt, 1.0)), -cm.MASK_VALUE)
     mult = (scale2 if rm_ref is None else rm_ref[pl.ds(row0, block_t)] if contiguous
             else cm.gather_vec(rm_ref, h * seq_len + t, tv, other=0.0))
-    s = _logits(q, c, mult, int8)                                 # [Bt, Bc]
-    x = s - mt[:, None]
+    x = _logits(q, c, mult, int8, mt, fused)                      # [Bt, Bc] s - M - log2 D
     p = ex2(jnp.minimum(x, 0.0) if clamp else x)                  # invalid columns: zeroed below
     if tile_acc:
       return acc + p                                                # [Bt, Bc]
@@ -717,7 +734,8 @@ def lookup_prefill_scores(q, centroids, counts, n_valid=None, *, scale, groups, 
   if int8 == "magic" and 127 * 127 * dp >= 2 ** 22:   # the magic bits hold |dot| < 2^22 only (d <= 256)
     int8 = "cvt"
   common = dict(scale=scale, seq_len=seq_len, num_c=num_c, group=hq // hkv, r=r, d=dp,
-                bounded=n_valid is not None, int8=int8, ex2=cm.exp2_ftz if cfg.exp2_ftz else jnp.exp2)
+                bounded=n_valid is not None, int8=int8, ex2=cm.exp2_ftz if cfg.exp2_ftz else jnp.exp2,
+                fused=cfg.logits_fma)
   ssplits = stats_splits(cfg, (t_pad // bt_a) * hq, cm.cdiv(num_c, bc_a), n_valid is not None)
   m, l = pallas_call(
       functools.partial(_stats_kernel, block_t=bt_a, block_c=bc_a, splits=ssplits, anchor=cfg.stats_anchor,

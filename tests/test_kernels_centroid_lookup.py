@@ -367,17 +367,37 @@ def test_exp2_ftz_is_exp2_off_the_gpu(rng):
     cm.exp2_ftz(x.astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("int8", [None, "cvt"])
-def test_prefill_exp2_ftz_setting_gives_the_same_scores(rng, int8):
-  """exp2_ftz on (the default) and off: the same Eq. 1 averages in the interpreter, for the running-max and the
-  anchored statistics passes, GQA with ragged T and C, bf16 and int8 logits, and the bounded pass."""
+def test_fma_is_mul_add_off_the_gpu(rng):
+  """_common.fma (the prefill passes' multiply and bias on the GPU: fma.rn.f32): outside the Triton lowering it is
+  x * y + z, eagerly, under jit and vmap (an unbatched operand broadcast), up to the last bit (XLA's CPU compiler
+  may contract it into one rounding); other dtypes and mismatched shapes are refused by name."""
+  from pallas_kernels import _common as cm
+  x, y, z = (jnp.asarray(rng.normal(size=(4, 8)), jnp.float32) for _ in range(3))
+  want = np.asarray(x, np.float64) * np.asarray(y, np.float64) + np.asarray(z, np.float64)
+  tol = dict(rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(cm.fma(x, y, z), want, **tol)
+  np.testing.assert_allclose(jax.jit(cm.fma)(x, y, z), want, **tol)
+  np.testing.assert_allclose(jax.vmap(cm.fma, in_axes=(0, 0, None))(x, y, z[0]),
+                             np.asarray(x, np.float64) * np.asarray(y, np.float64) + np.asarray(z[0], np.float64), **tol)
+  with pytest.raises(TypeError, match="fma takes float32 arrays of one shape"):
+    cm.fma(x, y, z.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="fma takes float32 arrays of one shape"):
+    cm.fma(x, y, z[0])
+
+
+@pytest.mark.parametrize("int8", [None, "cvt", "magic"])
+def test_prefill_exp2_ftz_and_fma_settings_give_the_same_scores(rng, int8):
+  """exp2_ftz and logits_fma on (the defaults) and off: the same Eq. 1 averages in the interpreter, for the
+  running-max and the anchored statistics passes, GQA with ragged T and C, bf16 and int8 logits ("magic" keeps its
+  large offset apart from the bias), and the bounded pass."""
   from pallas_kernels.centroid_lookup import lookup_prefill_scores
   q, cent, counts = make_inputs(rng, 8, 2, 37, 150, 64, jnp.bfloat16)
-  assert CentroidLookupConfig().exp2_ftz
+  assert CentroidLookupConfig().exp2_ftz and CentroidLookupConfig().logits_fma
   for anchor in (None, "rows"):
     got = {}
     for ftz in (True, False):
-      cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor, prefill_int8=int8, exp2_ftz=ftz)
+      cfg = CentroidLookupConfig(block_c=32, block_t=16, stats_anchor=anchor, prefill_int8=int8, exp2_ftz=ftz,
+                                 logits_fma=ftz)
       got[ftz] = (centroid_lookup_prefill(q, cent, counts, 0.5, scale=0.125, backend="interpret", config=cfg)[1],
                   lookup_prefill_scores(q, cent, counts, jnp.asarray([100, 37], jnp.int32), scale=0.125, groups=2,
                                         backend="interpret", cfg=cfg))

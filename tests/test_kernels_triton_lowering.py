@@ -113,14 +113,14 @@ def test_gather_live_rows_lowers(hs):
 
 
 @pytest.mark.parametrize("ftz", [True, False])
-def test_prefill_passes_lower_exp2_ftz(ftz):
-  """exp2_ftz (the default): both prefill passes, the 1-level call and the hierarchical one, carry the
-  ex2.approx.ftz.f32 inline asm; off, none does (libdevice's exp2f instead)."""
+def test_prefill_passes_lower_exp2_ftz_and_fma(ftz):
+  """exp2_ftz and logits_fma (the defaults): both prefill passes, the 1-level call and the hierarchical one, carry
+  the ex2.approx.ftz.f32 and fma.rn.f32 inline asm; off, none does (libdevice's exp2f instead)."""
   import dataclasses
 
   from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, INT8_PREFILL
   for base in (DEFAULT_PREFILL, INT8_PREFILL):
-    cfg = dataclasses.replace(base, exp2_ftz=ftz)
+    cfg = dataclasses.replace(base, exp2_ftz=ftz, logits_fma=ftz)
     texts = [lower(lambda q, c, n: centroid_lookup_prefill(q, c, n, jnp.float32(0.1), scale=D ** -0.5,
                                                            backend="pallas", config=cfg),
                    sds((HQ, 256, D)), sds((HKV, 300, D)), sds((HKV, 300), jnp.int32)),
@@ -132,6 +132,7 @@ def test_prefill_passes_lower_exp2_ftz(ftz):
       kernels = len(re.findall(r'name = "centroid_lookup_(?:stats|scores)', text))   # one string table each
       assert kernels == n_kernels
       assert text.count("ex2.approx.ftz.f32") == (kernels if ftz else 0)
+      assert text.count("fma.rn.f32") == (kernels if ftz else 0)
       assert ftz or "__nv_exp2f" in text
 
 

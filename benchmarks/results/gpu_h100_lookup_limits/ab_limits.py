@@ -19,6 +19,7 @@ alternating rounds, scores against the shipped kernels':
   centroid rows only after their counts / without waiting).  At 1aaff9e, before that setting existed, this ran as
   ``nowait1`` (unbounded statistics passes without waiting) against the shipped kernels (all waiting): the H200 run
   behind the setting's automatic value (None: no wait for an unbounded int8 pass);
+- ``no_fma``: ``CentroidLookupConfig.logits_fma`` off (the multiply and the bias subtraction apart, as before);
 - ``score128x8``: scoring tiles of 128 tokens on 8 warps (two warpgroups, each its own 64 rows);
 - ``stats128x8``: statistics blocks of 128 tokens on 8 warps.
 Earlier candidates, removed after measuring at the commits named: ``pairs`` (two tiles per loop iteration in either
@@ -110,6 +111,7 @@ def main(out: Path, parts: list, interpret: bool) -> int:
 
   calls, _, _ = prefill_ab_calls(x)
   tilings = {"rows_wait": dict(stats_rows_wait=True), "nowait": dict(stats_rows_wait=False),
+             "no_fma": dict(logits_fma=False),
              "score128x8": dict(score_block_t=128, score_warps=8), "stats128x8": dict(block_t=128, num_warps=8)}
   variants = ("shipped", *[v for v in tilings if v in parts or "candidates" in parts]) if set(parts) & {
       "candidates", *tilings} else ()

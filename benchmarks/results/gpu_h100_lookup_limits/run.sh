@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
 for w in "$@"; do
   mkdir -p $OUT/$w
   case ${w%_[0-9]} in
-    ablations|candidates|rows_wait)
+    ablations|candidates|rows_wait|no_fma)
       timeout 400 env PYTHONPATH=. python benchmarks/results/gpu_h100_lookup_limits/ab_limits.py $OUT/$w ${w%_[0-9]} > $OUT/$w/log.txt 2>&1
       echo "$w rc $?"; grep -E "^\[|checks" $OUT/$w/log.txt | cut -c1-330 ;;
     int8|bf16)
