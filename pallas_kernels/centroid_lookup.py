@@ -124,7 +124,10 @@ class CentroidLookupConfig:
     level 2 (+2%) and the bf16 passes (+3%) were slower that way (benchmarks/results/gpu_h100_lookup_limits).
   logits_fma: the prefill passes form ``s * multiplier - bias`` (the scoring pass's M + log2 D, the anchored
     statistics pass's anchor) as one ``fma.rn.f32`` per element (``_common.fma``): XLA's Triton pipeline does not
-    contract a multiply and an add.  Off the GPU both settings compute the same values.
+    contract a multiply and an add.  On an H100 at 512K / 4K tokens the hierarchical lookup took 2.29-2.32 vs
+    2.47-2.48 ms (int8) and 2.89-2.91 vs 3.11 ms (bf16) of kernels, the 1-level one 3.20-3.21 vs 3.40-3.42 ms
+    (int8) and 3.96 vs 4.30-4.31 ms (bf16); the scores moved by 2e-7 (one rounding fewer)
+    (benchmarks/results/gpu_h100_lookup_limits).  Off the GPU both settings compute the same values.
   """
   block_c: int = 128
   block_t: int = 64
@@ -256,6 +259,7 @@ INT8_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prefill_int8="cvt", block_t=
 # took 2.49-2.50 vs 2.70-2.71 ms (int8) and 3.13 vs 3.35 ms (bf16) of kernels, nearly all of it in the
 # statistics passes (level 2: 0.75 vs 0.88 ms int8, 1.01 vs 1.20 ms bf16); the scores were identical
 # (benchmarks/results/gpu_h100_ftz_exp2).
+# And ``logits_fma`` (on by default since 2026-11-25, see the field): a further 5-8% of lookup time on an H100.
 
 
 # ----------------------------------------------------------------------------
