@@ -1,0 +1,49 @@
+#!/bin/bash
+# The whole speed suite on one GPU, split into words that each fit the lent machine's 10 minutes
+# per command (run them on one warm machine, then join them with `python -m benchmarks.speed
+# --merge`).  Every word measures its dense baselines in its own process.
+#
+#   bash benchmarks/gpu_suite.sh WORD [WORD ...]     ($OUT: where results go; carry .scratch)
+#
+#   checks      compiled-vs-reference checks of every kernel (benchmarks.gpu_kernels --checks-only)
+#   decode512   decode at 512K, sparsity 0.7/0.8/0.9, Llama-3-8B shape (32/8)
+#   decode      decode at 32K and 128K, same
+#   prefill512  prefill of 1K and 4K tokens over 512K, 0.7/0.8/0.9, 32/8
+#   prefill     prefill at 32K and 128K, same
+#   int8        prefill over 512K at 0.9 with the opt-in int8 block lookup (Squeezed.lookup_int8)
+#   llama2      Llama-2-7B shape (32/32): decode and prefill at 512K, 0.9
+#   offline     clustering + calibration of 128K x 32 layers x 8 KV heads (1-level and hierarchical)
+#   e2e         FixedContext.ask / ask_many of a Llama-3-8B-shaped model over a 128K context
+#
+# Keys: .scratch/captured/smollm2_qkv.npz (python -m benchmarks.capture_keys, on the CPU);
+# the commit: .scratch/commit (the device copy has no .git).  TAR=1 packs each word's folder
+# into one file (the machine returns at most 8 files).
+export SQJAX_GIT_COMMIT=$(cat .scratch/commit 2>/dev/null)
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv,noheader
+speed() {  # speed WORD TIMEOUT_S ARGS...: one speed-suite process into $OUT/WORD
+  local w=$1 t=$2; shift 2
+  timeout "$t" python -m benchmarks.speed --budget-s $((t - 40)) --out "$OUT/$w" "$@" > "$OUT/$w/log.txt" 2>&1
+  echo "$w rc $? ($SECONDS s)"
+  grep -hE "^\| 32/(8|32) \| [0-9]+ \| (decode|prefill)|^\[e2e\] ask|offline\]|ERROR|Traceback" \
+    "$OUT/$w/speed.md" "$OUT/$w/log.txt" 2>/dev/null | cut -c1-260 | head -40
+}
+for w in "$@"; do
+  mkdir -p "$OUT/$w"
+  case $w in
+    checks)
+      timeout 240 python -m benchmarks.gpu_kernels --checks-only --out "$OUT/$w" > "$OUT/$w/log.txt" 2>&1
+      echo "checks rc $? ($SECONDS s): $(grep -c '| PASS' "$OUT/$w/gpu_kernels.md") PASS"
+      grep -E "\| (FAIL|ERROR)" "$OUT/$w/gpu_kernels.md" ;;
+    decode512)  speed $w 330 --only-kernels --phases decode --lengths 524288 --shapes 32x8 ;;
+    decode)     speed $w 400 --only-kernels --phases decode --lengths 32768,131072 --shapes 32x8 ;;
+    prefill512) speed $w 330 --only-kernels --phases prefill --lengths 524288 --shapes 32x8 ;;
+    prefill)    speed $w 300 --only-kernels --phases prefill --lengths 32768,131072 --shapes 32x8 ;;
+    int8)       speed $w 280 --only-kernels --phases prefill --lengths 524288 --sparsities 0.9 --shapes 32x8 --lookup-int8 ;;
+    llama2)     speed $w 330 --only-kernels --lengths 524288 --sparsities 0.9 --shapes 32x32 ;;
+    offline)    speed $w 220 --skip kernels,e2e ;;
+    e2e)        speed $w 520 --skip offline,kernels --e2e-ask-only --e2e-batches 4,8 ;;
+    *) echo "unknown word: $w"; continue ;;
+  esac
+  [ -n "$TAR" ] && tar czf "$OUT/$w.tgz" -C "$OUT" "$w" && rm -rf "${OUT:?}/$w"
+done
