@@ -1,7 +1,9 @@
 #!/bin/bash
 # The whole speed suite on one GPU, split into words that each fit the lent machine's 10 minutes
 # per command (run them on one warm machine, then join them with `python -m benchmarks.speed
-# --merge`).  Every word measures its dense baselines in its own process.
+# --merge`).  Each word's timeout is its upper bound; groups that fit one 600-s command:
+# `checks decode512`, `decode offline`, `prefill512 prefill`, `int8 llama2`, `e2e`.  Every word
+# measures its dense baselines in its own process.
 #
 #   bash benchmarks/gpu_suite.sh WORD [WORD ...]     ($OUT: where results go; carry .scratch)
 #
@@ -17,13 +19,19 @@
 #
 # Keys: .scratch/captured/smollm2_qkv.npz (python -m benchmarks.capture_keys, on the CPU);
 # the commit: .scratch/commit (the device copy has no .git).  TAR=1 packs each word's folder
-# into one file (the machine returns at most 8 files).
+# into one file (the machine returns at most 8 files).  SMOKE=1 checks the plumbing on a CPU
+# (every command with --cpu-smoke and the CPU plan's tiny lengths and shapes, interpret mode).
+# PY: the Python to run (default `python`; `.venv/bin/python` here).
 export SQJAX_GIT_COMMIT=$(cat .scratch/commit 2>/dev/null)
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv,noheader
+[ -n "$SMOKE" ] || nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv,noheader
 speed() {  # speed WORD TIMEOUT_S ARGS...: one speed-suite process into $OUT/WORD
-  local w=$1 t=$2; shift 2
-  timeout "$t" python -m benchmarks.speed --budget-s $((t - 40)) --out "$OUT/$w" "$@" > "$OUT/$w/log.txt" 2>&1
+  local w=$1 t=$2 a=(); shift 2
+  while [ $# -gt 0 ]; do  # SMOKE: the CPU plan's own tiny lengths and shapes
+    case "$1" in --lengths|--shapes|--sparsities) [ -n "$SMOKE" ] && { shift 2; continue; } ;; esac
+    a+=("$1"); shift
+  done
+  timeout "$t" ${PY:-python} -m benchmarks.speed ${SMOKE:+--cpu-smoke} --budget-s $((t - 40)) --out "$OUT/$w" "${a[@]}" > "$OUT/$w/log.txt" 2>&1
   echo "$w rc $? ($SECONDS s)"
   grep -hE "^\| 32/(8|32) \| [0-9]+ \| (decode|prefill)|^\[e2e\] ask|offline\]|ERROR|Traceback" \
     "$OUT/$w/speed.md" "$OUT/$w/log.txt" 2>/dev/null | cut -c1-260 | head -40
@@ -32,16 +40,16 @@ for w in "$@"; do
   mkdir -p "$OUT/$w"
   case $w in
     checks)
-      timeout 240 python -m benchmarks.gpu_kernels --checks-only --out "$OUT/$w" > "$OUT/$w/log.txt" 2>&1
+      timeout 240 ${PY:-python} -m benchmarks.gpu_kernels ${SMOKE:+--cpu-smoke} --checks-only --out "$OUT/$w" > "$OUT/$w/log.txt" 2>&1
       echo "checks rc $? ($SECONDS s): $(grep -c '| PASS' "$OUT/$w/gpu_kernels.md") PASS"
       grep -E "\| (FAIL|ERROR)" "$OUT/$w/gpu_kernels.md" ;;
     decode512)  speed $w 330 --only-kernels --phases decode --lengths 524288 --shapes 32x8 ;;
-    decode)     speed $w 400 --only-kernels --phases decode --lengths 32768,131072 --shapes 32x8 ;;
-    prefill512) speed $w 330 --only-kernels --phases prefill --lengths 524288 --shapes 32x8 ;;
-    prefill)    speed $w 300 --only-kernels --phases prefill --lengths 32768,131072 --shapes 32x8 ;;
-    int8)       speed $w 280 --only-kernels --phases prefill --lengths 524288 --sparsities 0.9 --shapes 32x8 --lookup-int8 ;;
+    decode)     speed $w 360 --only-kernels --phases decode --lengths 32768,131072 --shapes 32x8 ;;
+    prefill512) speed $w 300 --only-kernels --phases prefill --lengths 524288 --shapes 32x8 ;;
+    prefill)    speed $w 240 --only-kernels --phases prefill --lengths 32768,131072 --shapes 32x8 ;;
+    int8)       speed $w 240 --only-kernels --phases prefill --lengths 524288 --sparsities 0.9 --shapes 32x8 --lookup-int8 ;;
     llama2)     speed $w 330 --only-kernels --lengths 524288 --sparsities 0.9 --shapes 32x32 ;;
-    offline)    speed $w 220 --skip kernels,e2e ;;
+    offline)    speed $w 200 --skip kernels,e2e ;;
     e2e)        speed $w 520 --skip offline,kernels --e2e-ask-only --e2e-batches 4,8 ;;
     *) echo "unknown word: $w"; continue ;;
   esac
