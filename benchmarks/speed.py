@@ -1433,12 +1433,18 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# plan settings that change what a row measures: runs that differ in one are not one result
+_MERGE_SAME = ("lookup_int8", "level1_prune", "d")
+
+
 def merge_runs(runs: list[dict], names: list[str]) -> dict:
     """One result from several runs of the suite on the same commit (a run split by section, phase
     or length to fit a machine's time limit): kernel rows and errors concatenated, the offline and
     end-to-end sections from the run that has them, the plan's lengths, sparsities, phases and
     shapes united, seconds summed, each run's plan and seconds kept under `merged_from`. Every row
-    keeps the dense baselines of its own run."""
+    keeps the dense baselines of its own run. A length one run did not reach ("not run: deadline")
+    and another measured is not listed as not run; runs measured with different settings
+    (`_MERGE_SAME`: the int8 lookup, level-1 pruning, d) or on different commits are refused."""
     if not runs:
         raise ValueError("nothing to merge: give at least one run directory")
     commits = {n: r.get("meta", {}).get("git_commit") for n, r in zip(names, runs)}
@@ -1452,12 +1458,21 @@ def merge_runs(runs: list[dict], names: list[str]) -> dict:
                              "keep one")
         if have:
             out[section] = have[0][1]
-    out["kernels"] = [row for r in runs for row in r.get("kernels", [])]
+    for key in _MERGE_SAME:
+        vals = {n: r["plan"].get(key) for n, r in zip(names, runs)}
+        if len({json.dumps(v) for v in vals.values()}) != 1:
+            raise ValueError(f"runs measured with different {key} cannot be merged: {vals}")
+    rows = [row for r in runs for row in r.get("kernels", [])]
+    measured = {(row["L"], row["Hq"], row["Hkv"]) for row in rows if row.get("method")}
+    # a length one run left to its deadline and another measured: the measured rows stand for it
+    out["kernels"] = [row for row in rows if not (row.get("error") == "not run: deadline"
+                                                   and (row["L"], row["Hq"], row["Hkv"]) in measured)]
     out["errors"] = [e for r in runs for e in r.get("errors", [])]
     out["seconds"] = sum(r.get("seconds", 0.0) for r in runs)
     plan = dict(runs[0]["plan"])
-    for key in ("lengths", "sparsities", "phases"):
-        plan[key] = sorted({x for r in runs for x in r["plan"].get(key, [])})
+    sweeps = [r for r in runs if r.get("kernels")] or runs  # the kernel axes of the runs that swept kernels
+    for key in ("lengths", "sparsities", "phases", "hier_sparsities"):
+        plan[key] = sorted({x for r in sweeps for x in r["plan"].get(key, [])})
     shapes = [list(s) for r in runs for s in r["plan"].get("shapes", [])]
     plan["shapes"] = [s for i, s in enumerate(shapes) if s not in shapes[:i]]   # first run's first shape stays first
     out["plan"] = plan

@@ -228,6 +228,21 @@ def test_merge_runs_joins_split_runs_of_one_commit(tmp_path):
         merge_runs([a, _run("def", [1], ["decode"], [], 1.0)], ["a", "c"])
     with pytest.raises(ValueError, match="e2e section is in more than one run"):
         merge_runs([b, b], ["b1", "b2"])
+    i8 = _run("abc", [524288], ["prefill"], [], 1.0)
+    i8["plan"]["lookup_int8"] = True
+    with pytest.raises(ValueError, match="different lookup_int8"):
+        merge_runs([a, i8], ["a", "int8"])
+    # a length one run's deadline cut and another run measured is not reported as not run; one that
+    # no run measured still is; the kernel axes come from the runs that swept kernels
+    cut = _run("abc", [32768, 131072], ["prefill"],
+               [{"L": 32768, "Hq": 32, "Hkv": 8, "method": "squeezed", "tag": 4},
+                {"L": 131072, "Hq": 32, "Hkv": 8, "method": "", "error": "not run: deadline", "tag": 5},
+                {"L": 524288, "Hq": 32, "Hkv": 8, "method": "", "error": "not run: deadline", "tag": 6}], 1.0)
+    later = _run("abc", [131072], ["prefill"], [{"L": 131072, "Hq": 32, "Hkv": 8, "method": "squeezed", "tag": 7}], 1.0)
+    offline = _run("abc", [1, 2], ["decode"], [], 1.0, offline={"seconds": 3.0})
+    m = merge_runs([cut, later, offline], ["cut", "later", "offline"])
+    assert [r["tag"] for r in m["kernels"]] == [4, 6, 7]
+    assert m["plan"]["lengths"] == [32768, 131072] and m["plan"]["phases"] == ["prefill"]
     # the command line: reads each --out directory, writes the merged files, measures nothing
     for name, run in (("a", a), ("b", b)):
         (tmp_path / name).mkdir()
