@@ -38,6 +38,18 @@ def device_name() -> str:
     return f"{dev.platform}:{getattr(dev, 'device_kind', str(dev))}"
 
 
+# HBM bandwidth on NVIDIA's datasheets (TB/s), matched on the device name, most specific first: the
+# "bandwidth floor" of a kernel is its bytes at this rate (no kernel reaches it; a device-to-device
+# copy reaches ~82% on an H100 SXM, ~64% on an H200: benchmarks/results/gpu_h100_kernels, gpu_h200_kernels)
+HBM_PEAK_TBPS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100-SXM4-80GB", 2.039),
+                 ("A100", 1.555))
+
+
+def hbm_peak_tbps(device: str) -> float | None:
+    """The datasheet HBM bandwidth of `device` (a `device_name()` string), None if unknown (CPU)."""
+    return next((tbps for name, tbps in HBM_PEAK_TBPS if name in device), None)
+
+
 def metadata() -> dict:
     return {
         "device": device_name(),

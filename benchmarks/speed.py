@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._meta import (dispatch_ms, metadata, time_ms, time_ms_looped, time_ms_steady, time_ms_unrolled,
-                              write_json)
+from benchmarks._meta import (dispatch_ms, hbm_peak_tbps, metadata, time_ms, time_ms_looped, time_ms_steady,
+                              time_ms_unrolled, write_json)
 from benchmarks._profile import device_activity, kernel_time_per_call, loop_trace
 
 BF16 = jnp.bfloat16
@@ -1144,6 +1144,11 @@ def _f(x, nd: int = 3, suffix: str = "") -> str:
     return "—" if x is None else f"{x:.{nd}f}{suffix}"
 
 
+def _tb(tbps: float | None, peak: float | None) -> str:
+    """TB/s and, where the device's datasheet bandwidth is known, its fraction ("2.26 (47%)")."""
+    return "—" if tbps is None else f"{tbps:.2f}" + (f" ({tbps / peak:.0%})" if peak else "")
+
+
 def to_markdown(res: dict) -> str:
     p = res["plan"]
     shapes = [tuple(s) for s in p.get("shapes", [(p["hq"], p["hkv"])])]
@@ -1221,19 +1226,28 @@ def to_markdown(res: dict) -> str:
         md.append("")
     traced = [r for r in rows if "kernel_busy_ms" in r or "lookup_kernel_busy_ms" in r]
     if traced:
+        peak = hbm_peak_tbps(res.get("meta", {}).get("device", ""))
         md += ["## Decode, kernel time per call (profiler trace of 10 calls; busy = union of kernel intervals)", "",
+               "TB/s = bytes read / kernel busy time (sparse: the row's K+V rows and metadata rows; dense: all "
+               "fixed-context K and V); of floor = the bytes' time at the datasheet HBM bandwidth "
+               f"({_f(peak, 2)} TB/s for {res.get('meta', {}).get('device', '?')}) / the busy time.", "",
                "| Hq/Hkv | L | method | kept | lookup kernels ms | kernel busy ms (whole decode) | dense kernel busy ms "
-               "(cuDNN / Pallas) | ratio vs best dense | largest kernels (ms per call) |",
-               "|---|---|---|---|---|---|---|---|---|"]
+               "(cuDNN / Pallas) | ratio vs best dense | TB/s (of floor) | best dense TB/s (of floor) "
+               "| largest kernels (ms per call) |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in traced:
             dk = r.get("dense_kernel_busy_ms") or {}
             best = min(dk.values(), default=None)
             busy = r.get("kernel_busy_ms")
+            tbps = r["bytes"] / (busy * 1e-3) / 1e12 if busy and r.get("bytes") else None
+            dense_bytes = 2 * r["L"] * r["Hkv"] * r.get("d", 128) * 2  # bf16 K and V of the fixed context
+            dense_tbps = dense_bytes / (best * 1e-3) / 1e12 if best else None
             md.append(f"| {r['Hq']}/{r['Hkv']} | {r['L']} | {r['method']}{' (T on single queries)' if r.get('decode_calibrated') else ''} | "
                       f"{_f(r.get('retrieved_frac'))} | "
                       f"{_f(r.get('lookup_kernel_busy_ms'), 4)} | "
                       f"{_f(busy, 4)} | {_f(dk.get('cudnn'), 4)} / {_f(dk.get('pallas'), 4)} | "
                       f"{_f(best / busy if best and busy else None, 2, '×')} | "
+                      f"{_tb(tbps, peak)} | {_tb(dense_tbps, peak)} | "
                       + "; ".join(f"`{k['name'][:28]}` {k['ms_per_call']:.4f}" for k in r.get("kernels", [])[:4]) + " |")
         md.append("")
     pre_loop = [r for r in rows if "total_loop_ms" in r and r["phase"] != "decode"]

@@ -52,6 +52,14 @@ def test_speed_decode_rows_cpu_smoke(tmp_path):
                dense_kernel_busy_ms={"cudnn": 0.15, "pallas": 0.16})
     md = to_markdown(res)
     assert "kernel time per call" in md and "| 3.00× |" in md and "`clustered_attention` 0.0300" in md
+    # bytes / kernel busy time, and its fraction of the datasheet bandwidth floor where the device is known
+    from benchmarks._meta import hbm_peak_tbps
+
+    assert [hbm_peak_tbps(f"gpu:NVIDIA {n}") for n in ("H200", "H100 80GB HBM3", "H100 PCIe")] == [4.8, 3.35, 2.0]
+    assert hbm_peak_tbps("cpu:cpu") is None and "| 4.80 |" not in md
+    res["meta"]["device"] = "gpu:NVIDIA H200"
+    row["bytes"] = 1.2e8  # in 0.05 ms: 2.40 TB/s, half of the H200's 4.8
+    assert "| 2.40 (50%) |" in to_markdown(res)
     # the prefill device-time table carries the steady-state column (GPU runs fill it)
     res["kernels"].append({**row, "phase": "prefill_1k", "total_steady_ms": 2.0, "dense_steady_ms": {"cudnn": 9.0},
                            "speedup_vs_best_dense_steady": 4.5})
