@@ -4,7 +4,7 @@
 # --merge`).  Each word's timeout is its upper bound; groups that fit one 600-s command:
 # `checks decode512`, `decode128 decode32`, `prefill512`, `prefill128 prefill32`, `offline int8`,
 # `llama2`, `e2e` (one length per kernel word: with the hierarchical rows at every sparsity, 32K
-# and 128K in one word outran its deadline, and prefill512 needs 400 s on an H100 or H200).
+# and 128K in one word outran its deadline, and prefill512 took 394 s on an H100).
 # Every word measures its dense baselines in its own process.
 #
 #   bash benchmarks/gpu_suite.sh WORD [WORD ...]     ($OUT: where results go; carry .scratch)
