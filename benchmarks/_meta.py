@@ -213,4 +213,4 @@ def write_json(path: Path, payload: dict) -> None:
     from sqjax.index_io import write_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1, default=float)))
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, default=float)))

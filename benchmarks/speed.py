@@ -527,8 +527,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                                                 for x in (dense_ms, dense_loop, dense_unr, dense_kern))
         base = {"L": length, "phase": phase, "T": t, "Hq": hq, "Hkv": hkv, "d": plan.d, "dtype": "bfloat16",
                 "dense_ms": dense_ms, "dense_loop_ms": dense_loop, "dense_unrolled_ms": dense_unr,
-                "dense_kernel_busy_ms": dense_kern, "dense_steady_ms": dense.get("steady", {}),
-                "dense_loop_trace": dense.get("loop_trace", {})}
+                "dense_kernel_busy_ms": dense_kern, "dense_steady_ms": dense.get("steady", {})}
+        first_row = len(rows)
         for sp in sorted(sps, reverse=True):
             frac = None
             for name in ("squeezed", "hsqueezed"):
@@ -570,6 +570,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                     label = f"ℓ={m.probes} of {m.sizes(length)[0]} buckets (matched sparsity {sp})"
                 rows.append(_method_row({**base, "method": name, "sparsity": sp, "budget": label, "matched_frac": frac},
                                         plan, log, m, idx, qs, ctx, None, best, best_loop, best_unr))
+        if len(rows) > first_row:  # the dense loop's trace once per phase (the same for every row of it)
+            rows[first_row]["dense_loop_trace"] = dense.get("loop_trace", {})
     order = {p: i for i, (p, _) in enumerate(phases)}
     return sorted(rows, key=lambda r: (order[r["phase"]], r["sparsity"]))  # stable: methods keep their order
 
