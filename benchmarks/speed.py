@@ -153,7 +153,10 @@ def _err(e: BaseException) -> str:
 # 1. offline cost
 # ---------------------------------------------------------------------------------------------
 
-def offline_cost(plan: Plan, src: KeySource, log) -> dict:
+def offline_cost(plan: Plan, src: KeySource, log, deadline: float | None = None, on_build=None) -> dict:
+    """Time each index build of a 128K x 32-layer context, first (compiling) and again compiled.
+    ``deadline`` (perf_counter): builds not started by then are listed under ``not_run``;
+    ``on_build(out)`` after each build (the caller saves: a killed run keeps the builds it finished)."""
     from sqjax.methods import ContextData, HierarchicalSqueezed, Squeezed
 
     out = {"layers": plan.offline_layers, "Hkv": plan.hkv, "Hq": plan.hq, "L": plan.offline_length, "d": plan.d}
@@ -171,6 +174,10 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
     for name, m in methods:
         from sqjax import dispatch
 
+        if deadline is not None and time.perf_counter() > deadline:
+            out.setdefault("not_run", []).append(name)
+            log(f"[offline] {name}: not run (deadline)")
+            continue
         t0 = time.perf_counter()
         with dispatch.using(plan.backend):
             index, info = m.build(data)
@@ -193,6 +200,8 @@ def offline_cost(plan: Plan, src: KeySource, log) -> dict:
         out[f"{name}_seconds_warm"] = time.perf_counter() - t0
         log(f"[offline] {name}: {out[f'{name}_seconds']:.1f}s cold, {out[f'{name}_seconds_warm']:.1f}s compiled, for {plan.offline_layers} layers x {plan.hkv} heads x {plan.offline_length} keys")
         out[f"{name}_index"] = (m, index, info)
+        if on_build is not None:
+            on_build(out)
     out["data"] = data
     return out
 
@@ -1183,6 +1192,8 @@ def to_markdown(res: dict) -> str:
                               f"{off[name + '_threshold_decode']:.3g} | {off[name + '_decode_kept_app_c']:.4f} | "
                               f"{off[name + '_decode_kept']:.4f} |")
             md.append("")
+        if off.get("not_run"):
+            md += [f"Not run (the run's deadline came first): {', '.join(off['not_run'])}.", ""]
     rows = [r for r in res.get("kernels", []) if "method" in r]
     for shape in sorted({(r["Hq"], r["Hkv"]) for r in rows}, key=lambda s: (s not in shapes, s)):
         name = _SHAPE_NAMES.get(shape)
@@ -1604,8 +1615,12 @@ def main(argv_or_args=None) -> int:
     offline = None
     if "offline" not in skip:
         try:
-            offline = offline_cost(plan, src, log)
-            res["offline"] = {k: v for k, v in offline.items() if not k.endswith("_index") and k != "data"}
+            def keep(o):  # the section's numbers (not the indexes or the data), saved after every build
+                res["offline"] = {k: v for k, v in o.items() if not k.endswith("_index") and k != "data"}
+                save()
+
+            offline = offline_cost(plan, src, log, deadline, keep)
+            keep(offline)
         except Exception as e:  # noqa: BLE001
             log(f"[offline] ERROR {_err(e)}")
             traceback.print_exc()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.speed import _ASK_TIMED_CALLS
@@ -281,3 +282,22 @@ def test_offline_section_times_the_decode_calibration_too():
            "keys": "gaussian", "offline": {k: v for k, v in off.items() if not k.endswith("_index") and k != "data"}}
     md = to_markdown(res)
     assert "With decode thresholds" in md and "| hsqueezed |" in md
+
+
+def test_offline_section_stops_at_its_deadline_and_saves_each_build():
+    """Builds not started by the deadline are listed as not run (and said so in the markdown);
+    every finished build is handed to ``on_build`` at once, so a killed run keeps it."""
+    from benchmarks.speed import KeySource, cpu_plan, offline_cost, to_markdown
+
+    plan = dataclasses.replace(cpu_plan(), backend="reference", offline_token=False)
+    seen = []
+    t0 = time.perf_counter()
+    off = offline_cost(plan, KeySource(None, plan), log=lambda *a: None, deadline=t0 + 1e9,
+                       on_build=lambda o: seen.append(sorted(k for k in o if k.endswith("_seconds_warm"))))
+    assert seen == [["squeezed_seconds_warm"], ["hsqueezed_seconds_warm", "squeezed_seconds_warm"]]
+    assert "not_run" not in off
+    late = offline_cost(plan, KeySource(None, plan), log=lambda *a: None, deadline=time.perf_counter() - 1)
+    assert late["not_run"] == ["squeezed", "hsqueezed"] and "squeezed_seconds" not in late
+    res = {"plan": dataclasses.asdict(plan), "meta": {"device": "cpu", "jax": "x", "git_commit": "c"},
+           "keys": "gaussian", "offline": {k: v for k, v in late.items() if not k.endswith("_index") and k != "data"}}
+    assert "Not run (the run's deadline came first): squeezed, hsqueezed." in to_markdown(res)
