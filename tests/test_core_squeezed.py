@@ -451,3 +451,18 @@ def test_lookup_int8_rounds_blocks_like_the_kernels(rng, hierarchical):
                                   squeezed.layer_scores(li, one, idx.threshold1, scale, "kv")[0])
     m = (HierarchicalSqueezed if hierarchical else Squeezed)(lookup_int8=True)
     assert m.config.lookup_int8 and m.label.endswith("/int8")
+
+
+def test_key_scores_is_one_flat_gather_with_take_along_axis_values():
+    """Every key gets its cluster's score (GQA: each KV head's labels serve its selection heads),
+    read by a plain gather from the flattened [Hs * C] scores: no batched gather, whose GPU
+    lowering asked for 29 GiB at 32 heads x 512K keys (benchmarks/results/gpu_h100_suite_1f6c886)."""
+    rng = np.random.default_rng(3)
+    for hs, hkv, c, lc in [(8, 4, 37, 101), (4, 4, 5, 9), (6, 2, 1, 3)]:
+        s = jnp.asarray(rng.standard_normal((hs, c)), jnp.float32)
+        labels = jnp.asarray(rng.integers(0, c, (hkv, lc)), jnp.int32)
+        want = jnp.take_along_axis(s, jnp.repeat(labels, hs // hkv, axis=0), axis=-1)
+        np.testing.assert_array_equal(np.asarray(key_scores(s, labels)), np.asarray(want))
+    hlo = jax.jit(key_scores).lower(jax.ShapeDtypeStruct((32, 26214), jnp.float32),
+                                    jax.ShapeDtypeStruct((32, 524188), jnp.int32)).as_text()
+    assert "operand_batching_dims" not in hlo and "tensor<838848xf32>" in hlo
