@@ -1615,12 +1615,12 @@ def main(argv_or_args=None) -> int:
     offline = None
     if "offline" not in skip:
         try:
-            def keep(o):  # the section's numbers (not the indexes or the data), saved after every build
-                res["offline"] = {k: v for k, v in o.items() if not k.endswith("_index") and k != "data"}
-                save()
+            def numbers(o):  # the section's numbers, not the indexes or the data
+                return {k: v for k, v in o.items() if not k.endswith("_index") and k != "data"}
 
-            offline = offline_cost(plan, src, log, deadline, keep)
-            keep(offline)
+            offline = offline_cost(plan, src, log, deadline,   # saved after every build
+                                   on_build=lambda o: (res.__setitem__("offline", numbers(o)), save()))
+            res["offline"] = numbers(offline)
         except Exception as e:  # noqa: BLE001
             log(f"[offline] ERROR {_err(e)}")
             traceback.print_exc()

@@ -23,12 +23,14 @@ from sqjax._checks import check_fraction
 def key_scores(cluster_scores: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-key score = its cluster's score.  cluster_scores [Hs, C], labels [Hkv, Lc] -> [Hs, Lc].
 
-    One gather from the flattened scores (row h's labels offset by h * C): a batched
-    ``take_along_axis`` here asked XLA's GPU allocator for 29 GiB at 32 heads x 512K keys."""
+    One gather from the flattened scores (row h's labels offset by h * C). It was a batched
+    ``take_along_axis``, and an H100 ran out of memory in that executable at this step (a 29 GiB
+    request, 32 heads x 512K keys; benchmarks/results/gpu_h100_suite_1f6c886); the flat gather
+    needs no temporary buffer on the CPU and has not yet run on a GPU at that size."""
     hs, c = cluster_scores.shape
     lab = labels if labels.shape[0] == hs else jnp.repeat(labels, hs // labels.shape[0], axis=0)
     flat = lab.astype(jnp.int32) + (jnp.arange(hs, dtype=jnp.int32) * c)[:, None]
-    return jnp.take(cluster_scores.reshape(-1), flat, mode="clip")
+    return jnp.take(cluster_scores.reshape(-1), flat)
 
 
 def global_threshold(per_key_scores, sparsity: float) -> float:

@@ -455,8 +455,8 @@ def test_lookup_int8_rounds_blocks_like_the_kernels(rng, hierarchical):
 
 def test_key_scores_is_one_flat_gather_with_take_along_axis_values():
     """Every key gets its cluster's score (GQA: each KV head's labels serve its selection heads),
-    read by a plain gather from the flattened [Hs * C] scores: no batched gather, whose GPU
-    lowering asked for 29 GiB at 32 heads x 512K keys (benchmarks/results/gpu_h100_suite_1f6c886)."""
+    read by a plain gather from the flattened [Hs * C] scores: no batched gather (an H100 ran out
+    of memory in one here at 32 heads x 512K keys, benchmarks/results/gpu_h100_suite_1f6c886)."""
     rng = np.random.default_rng(3)
     for hs, hkv, c, lc in [(8, 4, 37, 101), (4, 4, 5, 9), (6, 2, 1, 3)]:
         s = jnp.asarray(rng.standard_normal((hs, c)), jnp.float32)
