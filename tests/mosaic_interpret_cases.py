@@ -2,8 +2,8 @@
 against the Eq. 1 reference, and the engine through the public lookups.
 
 Not collected by the suite directly: ``test_kernels_lookup_mosaic.test_interpret_cases`` runs this
-module in a subprocess with a time limit (the interpreter runs each warpgroup as a host thread
-that blocks on barriers; a run of the suite once stalled inside it, see that test)."""
+module in a subprocess with a time limit and a larger XLA CPU thread pool (the interpreter's
+warpgroups block on barriers inside callbacks that run on that pool; see that test)."""
 import dataclasses
 
 import jax

@@ -20,31 +20,37 @@ from test_kernels_centroid_lookup import make_inputs
 TESTS = Path(__file__).resolve().parent
 N_INTERPRET_CASES = 4     # mosaic_interpret_cases.py: three pass cases + the engine through the lookups
 INTERPRET_LIMIT_S = 420   # ~30 s when it runs; a stall becomes a failure instead of a stuck suite
+POOL_THREADS = 16         # XLA CPU pool threads (NPROC) in that process: >= the warpgroups that block at once
 
 
-def test_interpret_cases():
+def test_interpret_cases(tmp_path):
   """``mosaic_interpret_cases.py`` (the passes vs the f64 reference: GQA 4:1, MHA 1:1, vote-q groups,
   ragged T and C, bounded calls with a group bounded at 0, a KV head with no cluster, splits, a
   ring that wraps; the engine through the public and hierarchical lookups) in a fresh process.
 
-  The GPU interpreter runs each warpgroup of a program as a host thread blocked on barriers. One
-  fresh-clone run of the suite (2 CPUs) stalled inside it with every thread waiting; the same
-  cases passed in every other run and in 15 repeats with new seeds, and the kernels' barrier
-  arrivals and waits match on every path; the cause was not established. The subprocess bounds it:
-  a stall fails this test with the output so far. It also runs the CPU computations inline
-  (``jax_cpu_enable_async_dispatch=False``): if the stall was interpreted warpgroups queued behind
-  blocked ones on XLA's CPU thread pool (a guess), each now executes on its own thread."""
-  code = ("import jax; jax.config.update('jax_cpu_enable_async_dispatch', False); import sys, pytest; "
+  The GPU interpreter runs each warpgroup (3 in pass 1) as a host thread that executes its own
+  XLA computation; that computation's barrier waits are io_callbacks which XLA runs on the CPU
+  client's thread pool, sized to the CPU count. On a 2-CPU machine two warpgroups blocked in
+  their waits can hold the whole pool while the warpgroup that would release them waits for a
+  pool thread: a deadlock. It stalled two fresh-clone CI runs (2 CPUs); with ``NPROC=1`` (XLA's override of
+  the pool size) it stalls every time, the blocked wait on the pool's only thread and the other
+  two warpgroups inside their computations. ``NPROC=16`` gives every warpgroup a pool thread. A
+  stall still fails this test (time limit) with every thread's Python stack."""
+  stacks = tmp_path / "stacks.txt"
+  code = ("import faulthandler, sys; "
+          f"faulthandler.dump_traceback_later({INTERPRET_LIMIT_S - 30}, file=open({str(stacks)!r}, 'w')); "
+          "import pytest; "
           "sys.exit(pytest.main(['-o', 'addopts=', '-q', '-p', 'no:cacheprovider', '-p', 'no:warnings', "
           f"{str(TESTS / 'mosaic_interpret_cases.py')!r}]))")
-  env = dict(os.environ, SQJAX_TEST_SEED=str(RUN_SEED), JAX_PLATFORMS="cpu")
+  env = dict(os.environ, SQJAX_TEST_SEED=str(RUN_SEED), JAX_PLATFORMS="cpu", NPROC=str(POOL_THREADS))
   try:
     r = subprocess.run([sys.executable, "-c", code], cwd=TESTS.parent, env=env, capture_output=True,
                        text=True, timeout=INTERPRET_LIMIT_S)
   except subprocess.TimeoutExpired as e:
     out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    dump = stacks.read_text()[-6000:] if stacks.exists() else "(none written)"
     pytest.fail(f"the Mosaic GPU interpret cases did not finish in {INTERPRET_LIMIT_S} s "
-                f"(SQJAX_TEST_SEED={RUN_SEED}); output so far:\n{out[-3000:]}")
+                f"(SQJAX_TEST_SEED={RUN_SEED}); output so far:\n{out[-3000:]}\nthread stacks:\n{dump}")
   assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
   assert f"{N_INTERPRET_CASES} passed" in r.stdout, r.stdout[-3000:]
 
