@@ -32,10 +32,10 @@ def test_interpret_cases(tmp_path):
   XLA computation; that computation's barrier waits are io_callbacks which XLA runs on the CPU
   client's thread pool, sized to the CPU count. On a 2-CPU machine two warpgroups blocked in
   their waits can hold the whole pool while the warpgroup that would release them waits for a
-  pool thread: a deadlock. It stalled two fresh-clone CI runs (2 CPUs); with ``NPROC=1`` (XLA's override of
-  the pool size) it stalls every time, the blocked wait on the pool's only thread and the other
-  two warpgroups inside their computations. ``NPROC=16`` gives every warpgroup a pool thread. A
-  stall still fails this test (time limit) with every thread's Python stack."""
+  pool thread: a deadlock. It stalled two fresh-clone CI runs (2 CPUs); with ``NPROC=1`` (XLA's
+  override of the pool size) it stalls every time, the blocked wait on the pool's only thread
+  and the other two warpgroups inside their computations. ``NPROC=16`` gives every warpgroup a
+  pool thread. A stall still fails this test (time limit) with every thread's Python stack."""
   stacks = tmp_path / "stacks.txt"
   code = ("import faulthandler, sys; "
           f"faulthandler.dump_traceback_later({INTERPRET_LIMIT_S - 30}, file=open({str(stacks)!r}, 'w')); "
