@@ -20,9 +20,11 @@ from sqjax.selection import topk_mask
 
 
 def page_bounds(k: jax.Array, page: int = 16) -> tuple[jax.Array, jax.Array]:
-    """Per-page channel min/max.  k [Hkv, L, d] -> (kmin, kmax) [Hkv, P, d], P = ceil(L / page).
+    """Per-page channel min/max.  k [Hkv, L, d] -> (kmin, kmax) [Hkv, P, d] f32, P = ceil(L / page).
 
-    A ragged last page is bounded by its own keys only.
+    A ragged last page is bounded by its own keys only. The min/max run in k's own dtype (exact)
+    and only the [Hkv, P, d] bounds are widened to f32: an f32 copy of bf16 keys was the 8 GiB
+    request that failed at 32 KV heads x 512K on an 80 GB H100 (gpu_h100_suite_1f6c886/llama2_oom).
     """
     check_rank("k", k, 3, "[Hkv, L, d]")
     if page < 1:
@@ -30,12 +32,12 @@ def page_bounds(k: jax.Array, page: int = 16) -> tuple[jax.Array, jax.Array]:
     hkv, length, d = k.shape
     n_pages = -(-length // page)
     pad = n_pages * page - length
-    kf = k.astype(jnp.float32)
     valid = jnp.arange(n_pages * page) < length
-    kp = jnp.pad(kf, ((0, 0), (0, pad), (0, 0))).reshape(hkv, n_pages, page, d)
+    kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0))).reshape(hkv, n_pages, page, d)
     vp = valid.reshape(n_pages, page)[None, :, :, None]
-    kmin = jnp.min(jnp.where(vp, kp, jnp.inf), axis=2)
-    kmax = jnp.max(jnp.where(vp, kp, -jnp.inf), axis=2)
+    inf = jnp.asarray(jnp.inf, k.dtype)
+    kmin = jnp.min(jnp.where(vp, kp, inf), axis=2).astype(jnp.float32)
+    kmax = jnp.max(jnp.where(vp, kp, -inf), axis=2).astype(jnp.float32)
     return kmin, kmax
 
 

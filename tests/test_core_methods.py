@@ -61,6 +61,21 @@ def test_attention_shape_errors():
 
 # --------------------------------------------------------------------------------- QUEST
 
+def test_quest_bounds_of_bf16_keys_are_exact_without_an_f32_copy(rng):
+    """bf16 keys: the bounds equal the f32 min/max of the same values, come out f32, and no
+    array of the keys' size is f32 in the program (an f32 copy failed at 32 heads x 512K)."""
+    hkv, length, d, page = 3, 70, 16, 16   # ragged last page
+    k = jnp.asarray(rng.normal(size=(hkv, length, d)), jnp.bfloat16)
+    kmin, kmax = quest.page_bounds(k, page)
+    kmin32, kmax32 = quest.page_bounds(k.astype(jnp.float32), page)
+    assert kmin.dtype == kmax.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(kmin), np.asarray(kmin32))
+    np.testing.assert_array_equal(np.asarray(kmax), np.asarray(kmax32))
+    jaxpr = jax.make_jaxpr(lambda x: quest.page_bounds(x, page))(k)
+    sizes = [v.aval.size for e in jaxpr.eqns for v in e.outvars if v.aval.dtype == jnp.float32]
+    assert sizes and max(sizes) < length * d, sizes
+
+
 def test_quest_bounds_and_upper_bound(rng):
     hkv, hq, length, d, page = 2, 4, 101, 8, 16  # ragged last page
     k = rng.normal(size=(hkv, length, d)).astype(np.float32)
