@@ -313,6 +313,10 @@ def lookup_prefill_scores_mosaic(q, centroids, counts, n_valid=None, *, scale, g
   q [Hq, T, d] bf16/f16; centroids [Hkv, C, d] (same dtype); counts [Hkv, C]; n_valid [G]
   int32 or None (only rows ``[0, n_valid[g])`` of group g take part).  Returns avg [G, C]
   f32 (0 for empty clusters and rows past the bound).
+
+  ``interpret=True`` (GPU interpret mode, CPU) runs each warpgroup as a host thread whose barrier
+  waits block threads of XLA's CPU pool; with fewer pool threads than warpgroups (3) it can
+  deadlock. Start the process with ``NPROC=16`` (read by XLA when jax starts) on small machines.
   """
   hq, seq_len, d = q.shape
   hkv, num_c, _ = centroids.shape
