@@ -99,20 +99,23 @@ def _pad_rows(x: jax.Array, chunk: int) -> tuple[jax.Array, int]:
     return jnp.pad(x, ((0, n_pad), (0, 0))), n_pad
 
 
-def assign(xn: jax.Array, cn: jax.Array, chunk: int) -> jax.Array:
+def assign(xn: jax.Array, cn: jax.Array, chunk: int, prep=None) -> jax.Array:
     """Label of each unit point = argmax_c xn·cn, chunked over points.  xn [N,d], cn [C,d] -> [N].
 
-    The similarities are accumulated in f32 from operands in xn's dtype (bf16 keys: bf16 unit
-    vectors on the tensor cores; f32 keys: f32).
+    The similarities are accumulated in f32 from operands in the points' dtype (bf16 keys: bf16
+    unit vectors on the tensor cores; f32 keys: f32).  `prep` (e.g. `normalize`) maps each chunk of
+    raw points to unit points inside the loop, so no prepared copy of all N points is made.
     """
     n = xn.shape[0]
     n_chunks = -(-n // min(chunk, n))
     chunk = -(-n // n_chunks)  # balanced chunks: little padding
     xp, _ = _pad_rows(xn, chunk)
     blocks = xp.reshape(-1, chunk, xn.shape[-1])
-    cn = cn.astype(xn.dtype)
+    prep = prep or (lambda b: b)
+    dtype = jax.eval_shape(prep, blocks[0]).dtype
+    cn = cn.astype(dtype)
     labels = jax.lax.map(
-        lambda b: jnp.argmax(jnp.dot(b, cn.T, preferred_element_type=jnp.float32), axis=-1).astype(jnp.int32),
+        lambda b: jnp.argmax(jnp.dot(prep(b), cn.T, preferred_element_type=jnp.float32), axis=-1).astype(jnp.int32),
         blocks)
     return labels.reshape(-1)[:n]
 

@@ -21,10 +21,13 @@ from sqjax.squeezed import cluster_layout
 
 
 def assign_keys(k_pre: jax.Array, unit_centroids: jax.Array, chunk: int = 4096) -> jax.Array:
-    """Nearest centroid (cosine) of every de-roped key.  k_pre [Hkv,N,d], centroids [Hkv,C,d] -> [Hkv,N] int32."""
+    """Nearest centroid (cosine) of every de-roped key.  k_pre [Hkv,N,d], centroids [Hkv,C,d] -> [Hkv,N] int32.
+
+    Keys are normalized chunk by chunk inside the loop: an f32 copy of all of them (8 GiB at 32 KV
+    heads × 512K) does not fit beside the context on an 80 GB GPU."""
     check_rank("k_pre", k_pre, 3, "[Hkv, N, d]")
     check_rank("unit_centroids", unit_centroids, 3, "[Hkv, C, d]")
-    return jax.vmap(lambda x, c: assign(normalize(x), normalize(c), chunk))(k_pre, unit_centroids)
+    return jax.vmap(lambda x, c: assign(x, normalize(c), chunk, prep=normalize))(k_pre, unit_centroids)
 
 
 def inverted_lists(labels: jax.Array, n_buckets: int) -> tuple[jax.Array, jax.Array]:

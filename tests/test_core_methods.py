@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sqjax import baselines, quest, saap, snapkv
+from sqjax.kmeans import assign, normalize
 from sqjax.attention import attend_partial, dense_attention, fixed_context_attention, merge_partials
 from sqjax.budget import account
 from sqjax.methods import (
@@ -142,6 +143,20 @@ def test_snapkv_matches_numpy_and_keeps_exactly_cap(rng, pool):
 
 
 # --------------------------------------------------------------------------------- SAAP
+
+def test_saap_assign_keys_of_bf16_keys_without_an_f32_copy(rng):
+    """Keys normalized chunk by chunk: same labels as normalizing all of them first, and no
+    f32 array of the keys' size outside the loop (8 GiB at 32 KV heads x 512K on a GPU)."""
+    hkv, n, c, d = 2, 300, 12, 16
+    k_pre = jnp.asarray(rng.normal(size=(hkv, n, d)), jnp.bfloat16)
+    cent = jnp.asarray(rng.normal(size=(hkv, c, d)).astype(np.float32))
+    got = np.asarray(saap.assign_keys(k_pre, cent, chunk=64))
+    want = np.stack([np.asarray(assign(normalize(k_pre[h]), normalize(cent[h]), 64)) for h in range(hkv)])
+    np.testing.assert_array_equal(got, want)
+    jaxpr = jax.make_jaxpr(lambda x: saap.assign_keys(x, cent, chunk=64))(k_pre)
+    sizes = [v.aval.size for e in jaxpr.eqns for v in e.outvars if v.aval.dtype == jnp.float32]
+    assert sizes and max(sizes) < hkv * n * d, sizes
+
 
 def test_saap_inverted_lists_partition_keys(rng):
     hkv, n, c, d = 3, 500, 16, 8
