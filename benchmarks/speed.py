@@ -968,18 +968,18 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     out["kept_in_situ"] = float(np.mean(out["kept_in_situ_per_layer"]))
     # the same with the threshold calibrated on the captured SmolLM2 queries (how this section
     # calibrated before): those queries do not come from this model
-    from sqjax.calibration import global_threshold, key_scores
+    from sqjax.calibration import key_threshold
     from sqjax.squeezed import layer_scores
 
     q_cap = jnp.stack([src.queries(100, seed=layer) for layer in range(plan.e2e_layers)])
-    per_key = [key_scores(layer_scores(index.layer(i), q_cap[i], 0.0, data.scale, method.vote)[0],
-                          index.layer(i).labels) for i in range(plan.e2e_layers)]
-    idx_cap = dataclasses.replace(index, threshold=jnp.float32(global_threshold(per_key, method.sparsity)))
+    per_cluster = [layer_scores(index.layer(i), q_cap[i], 0.0, data.scale, method.vote)[0] for i in range(plan.e2e_layers)]
+    t_cap = key_threshold(per_cluster, [index.layer(i).counts for i in range(plan.e2e_layers)], method.sparsity)
+    idx_cap = dataclasses.replace(index, threshold=jnp.float32(t_cap))
     with dispatch.using(plan.backend):
         out["kept_in_situ_captured_threshold"] = float(np.mean([
             float(jnp.mean(method.select(idx_cap, layer, q_dec[layer], None, data.k[layer]).kv_rows) / length)
             for layer in range(plan.e2e_layers)]))
-    del q_cap, per_key, idx_cap
+    del q_cap, per_cluster, idx_cap
     log(f"[e2e] squeezed keeps {out['kept_in_situ']:.3f} of the fixed context for the model's decode queries "
         f"(layers {min(out['kept_in_situ_per_layer']):.3f}..{max(out['kept_in_situ_per_layer']):.3f}); "
         f"{out['kept_in_situ_captured_threshold']:.3f} with the threshold calibrated on the captured queries")

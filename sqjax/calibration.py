@@ -23,14 +23,51 @@ from sqjax._checks import check_fraction
 def key_scores(cluster_scores: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-key score = its cluster's score.  cluster_scores [Hs, C], labels [Hkv, Lc] -> [Hs, Lc].
 
-    One gather from the flattened scores (row h's labels offset by h * C). It was a batched
-    ``take_along_axis``, and an H100 ran out of memory in that executable at this step (a 29 GiB
-    request, 32 heads x 512K keys; benchmarks/results/gpu_h100_suite_1f6c886); the flat gather
-    needs no temporary buffer on the CPU and has not yet run on a GPU at that size."""
+    One gather from the flattened scores (row h's labels offset by h * C).  At 32 heads x 512K keys
+    XLA's GPU gather asked for 29 GiB (benchmarks/results/gpu_h100_suite_1f6c886); the index build
+    uses `key_threshold` / `key_fraction`, which need no per-key array."""
     hs, c = cluster_scores.shape
     lab = labels if labels.shape[0] == hs else jnp.repeat(labels, hs // labels.shape[0], axis=0)
     flat = lab.astype(jnp.int32) + (jnp.arange(hs, dtype=jnp.int32) * c)[:, None]
     return jnp.take(cluster_scores.reshape(-1), flat)
+
+
+def _key_weights(cluster_scores, counts) -> np.ndarray:
+    """counts [Hkv, C] repeated to cluster_scores' selection heads [Hs, C] (a KV head's clusters)."""
+    n = np.asarray(counts)
+    hs = np.shape(cluster_scores)[-2]
+    if n.ndim != 2 or np.shape(cluster_scores)[-1] != n.shape[-1] or hs % n.shape[0]:
+        raise ValueError(f"need cluster_scores [Hs, C] and counts [Hkv, C] with Hs a multiple of Hkv; "
+                         f"got {np.shape(cluster_scores)} and {n.shape}")
+    return np.repeat(n, hs // n.shape[0], axis=0)
+
+
+def key_threshold(cluster_scores, counts, sparsity: float) -> float:
+    """`global_threshold(key_scores(s, labels), sparsity)` from the clusters alone: every key scores
+    its cluster's S, so the keys' scores are the cluster scores repeated by the clusters' counts
+    (counts = bincount of labels).  Exact, in O(clusters), with no [Hs, Lc] per-key array.
+
+    cluster_scores: [Hs, C] or a list of them (one per layer); counts: [Hkv, C] or a matching list.
+    """
+    check_fraction("sparsity", sparsity)
+    ss = cluster_scores if isinstance(cluster_scores, (list, tuple)) else [cluster_scores]
+    ns = counts if isinstance(counts, (list, tuple)) else [counts] * len(ss)
+    if len(ns) != len(ss):
+        raise ValueError(f"{len(ss)} score arrays but {len(ns)} count arrays")
+    vals = np.concatenate([np.asarray(s, np.float32).reshape(-1) for s in ss])
+    wts = np.concatenate([_key_weights(s, n).reshape(-1) for s, n in zip(ss, ns)])
+    return weighted_quantile(vals, wts, sparsity)
+
+
+def key_fraction(cluster_scores: jax.Array, counts: jax.Array, threshold) -> jax.Array:
+    """`retrieved_fraction(key_scores(s, labels), T)` from the clusters: per selection head, the
+    fraction of keys whose cluster scores S > T.  cluster_scores [Hs, C], counts [Hkv, C] -> [Hs]."""
+    n = _key_weights(cluster_scores, counts)
+    lc = n.sum(-1)
+    if np.any(lc != lc[0]):
+        raise ValueError(f"every head must hold the same number of keys; counts sum to {sorted(set(lc.tolist()))}")
+    kept = jnp.sum(jnp.where(cluster_scores > threshold, jnp.asarray(n), 0), axis=-1)
+    return kept.astype(jnp.float32) / int(lc[0])   # as jnp.mean divides: by a constant
 
 
 def global_threshold(per_key_scores, sparsity: float) -> float:

@@ -575,7 +575,7 @@ def build_squeezed_index(
     scale: float,
 ) -> tuple[SqueezedIndex, dict]:
     """Cluster + calibrate (App. C).  Returns the index and calibration facts (fractions, T, T1)."""
-    from sqjax.calibration import global_threshold, key_scores
+    from sqjax.calibration import key_fraction, key_threshold
 
     check_rank("q_obs", q_obs, 4, "[layers, Hq, n_obs, d]")
     check_same("layers", [("k", k.shape[0]), ("q_obs", q_obs.shape[0])])
@@ -588,19 +588,16 @@ def build_squeezed_index(
     if cfg.hierarchical:
         s1 = [cluster_scores(q_obs[i], li.centroids1, li.counts1, scale, cfg.vote, int8=cfg.lookup_int8)
               for i, li in enumerate(per_layer)]
-        # a key's level-1 score is its parent's score
-        lvl1_key = [
-            key_scores(jnp.take_along_axis(s, per_selection_head(li.parent, s.shape[0]), axis=-1), li.labels)
-            for s, li in zip(s1, per_layer)
-        ]
-        threshold1 = global_threshold(lvl1_key, cfg.level1_prune)
+        # a key's level-1 score is its parent's score: its level-2 cluster scores its parent's
+        lvl1 = [jnp.take_along_axis(s, per_selection_head(li.parent, s.shape[0]), axis=-1) for s, li in zip(s1, per_layer)]
+        threshold1 = key_threshold(lvl1, [li.counts for li in per_layer], cfg.level1_prune)
     from sqjax.progress import track
 
     scores = [layer_scores(li, q_obs[i], threshold1, scale, cfg.vote, int8=cfg.lookup_int8)[0]
               for i, li in track(list(enumerate(per_layer)), "calibration")]
-    per_key = [key_scores(s, li.labels) for s, li in zip(scores, per_layer)]
-    threshold = global_threshold(per_key, cfg.sparsity)
-    frac = jnp.stack([jnp.mean((p > threshold).astype(jnp.float32), axis=-1) for p in per_key])  # [Lyr, Hs]
+    # App. C's quantile over every key, each scoring its cluster's S: the cluster scores weighted by counts
+    threshold = key_threshold(scores, [li.counts for li in per_layer], cfg.sparsity)
+    frac = jnp.stack([key_fraction(s, li.counts, threshold) for s, li in zip(scores, per_layer)])  # [Lyr, Hs]
     decode = {}
     if cfg.decode_calibration == "token":
         td, td1, dfrac, n_q, app_c = token_thresholds(per_layer, q_obs, cfg, scale, (threshold, threshold1))

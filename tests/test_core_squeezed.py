@@ -7,7 +7,7 @@ import pytest
 
 from sqjax import squeezed
 from sqjax.attention import dense_attention, fixed_context_attention
-from sqjax.calibration import global_threshold, key_scores
+from sqjax.calibration import global_threshold, key_fraction, key_scores, key_threshold, retrieved_fraction
 from sqjax.squeezed import (
     SqueezedConfig, build_squeezed_index, cluster_fixed_context, cluster_layout, cluster_scores, hierarchical_scores, lookup,
     retrieval_mask, retrieve,
@@ -404,6 +404,30 @@ def test_weighted_quantile_bracketed_path_equals_the_full_sort(monkeypatch):
         monkeypatch.setattr(calibration, "_FULL_SORT", 1 << 21)
         assert got == want
         assert want[2] == np.quantile(np.repeat(v.astype(np.float64), w), 0.9, method="linear")
+
+
+@pytest.mark.parametrize("vote", ["kv", "q"])
+def test_key_threshold_equals_the_per_key_quantile(rng, vote):
+    """App. C's threshold and kept fractions from cluster scores weighted by counts equal those of
+    the per-key scores (`key_scores`), bit for bit: several layers, GQA, empty clusters, ties."""
+    hkv, g, c, lc = 2, 3, 40, 997
+    hs = hkv * g if vote == "q" else hkv
+    scores, counts, per_key = [], [], []
+    for layer in range(3):
+        labels = rng.integers(0, c - 5, size=(hkv, lc)).astype(np.int32)   # the last 5 clusters empty
+        n = np.stack([np.bincount(lab, minlength=c) for lab in labels]).astype(np.int32)
+        s = rng.random((hs, c)).astype(np.float32)
+        s[:, ::7] = s[:, :1]                                                  # ties across clusters
+        scores.append(jnp.asarray(s))
+        counts.append(jnp.asarray(n))
+        per_key.append(key_scores(jnp.asarray(s), jnp.asarray(labels)))
+    for sparsity in (0.5, 0.8, 0.9, 0.97):
+        t = key_threshold(scores, counts, sparsity)
+        assert t == global_threshold(per_key, sparsity)
+        for s, n, p in zip(scores, counts, per_key):
+            np.testing.assert_array_equal(np.asarray(key_fraction(s, n, t)), np.asarray(retrieved_fraction(p, t)))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        key_threshold(jnp.zeros((3, c)), jnp.ones((2, c), jnp.int32), 0.9)
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
