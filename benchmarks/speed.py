@@ -474,6 +474,9 @@ def _dense_times(plan: Plan, log, qs, ctx, tag: str, modes=("call",)) -> dict:
     return out
 
 
+_ROW_LATE = "not run: the run's deadline came first"  # a row cut (a whole length cut: "not run: deadline")
+
+
 def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, i: int) -> list[dict]:
     """Every row of one (shape, fixed-context length): its arrays die when this returns."""
     from pallas_kernels import cluster_sort_layout
@@ -521,11 +524,21 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
     kn, vn = src.kv(n_new, seed=7, n_heads=hkv)
     kv_pos = (length + jnp.arange(n_new)).astype(jnp.int32)
     rows = []
+
+    def late(phase: str, t: int, method: str, sp: float) -> bool:
+        """Past the deadline: the row is listed as not run (never silently missing)."""
+        if time.perf_counter() <= deadline:
+            return False
+        log(f"[{method}] L={length} {hq}/{hkv} {phase} sparsity {sp}: not run (deadline)")
+        rows.append({"L": length, "Hq": hq, "Hkv": hkv, "phase": phase, "T": t, "method": method, "sparsity": sp,
+                     "budget": f"sparsity {sp}", "error": _ROW_LATE})
+        return True
+
     # the targets first, so that a deadline cuts only the extra rows: the longest prefill before the
     # shorter one, the highest sparsity first; the rows are put back in reading order at the end
     for phase, t in sorted(phases, key=lambda p: (p[1] != 1, -p[1])):  # decode, then prefill 4K, 1K
-        if time.perf_counter() > deadline:
-            break
+        if any([late(phase, t, "every method", sp) for sp in sorted(sps, reverse=True)]):
+            continue
         qs = [src.queries(t, seed=100 * t + j, n_heads=hq) for j in range(3)]
         ctx = (k, v, kn, vn, (length + n_new - t + jnp.arange(t)).astype(jnp.int32), kv_pos)
         dense = _dense_times(plan, log, qs, ctx, f"L={length} {hq}/{hkv} {phase}",
@@ -541,7 +554,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
         for sp in sorted(sps, reverse=True):
             frac = None
             for name in ("squeezed", "hsqueezed"):
-                if name in built and sp in built[name][1] and time.perf_counter() <= deadline:
+                if name in built and sp in built[name][1] and not late(phase, t, name, sp):
                     m, idx = built[name]
                     fused = layouts.get(name) if t == 1 else None
                     r = _method_row({**base, "method": name, "sparsity": sp, "hierarchical": name == "hsqueezed",
@@ -554,7 +567,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             # the target rows again at their phase's own threshold: 1-level decode on single queries,
             # hierarchical prefill on blocks of t queries (two draws apart from the timed ones)
             name = "squeezed" if t == 1 else "hsqueezed"
-            if name in built and sp in built[name][1] and time.perf_counter() <= deadline:
+            if name in built and sp in built[name][1] and not late(phase, t, f"{name} (phase T)", sp):
                 blocks = (decode_blocks(q_obs) if t == 1 else
                           [src.queries(t, seed=7_000_000 + 100 * t + j, n_heads=hq) for j in range(2)])
                 rows.append(_phase_calibrated_row(base, plan, log, name, built[name], sp, blocks, qs, ctx,
@@ -563,7 +576,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
                 continue
             for name in ("quest", "saap"):
-                if name not in built or time.perf_counter() > deadline:
+                if name not in built or late(phase, t, name, sp):
                     continue
                 m, idx = built[name]
                 if name == "quest":

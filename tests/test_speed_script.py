@@ -301,3 +301,19 @@ def test_offline_section_stops_at_its_deadline_and_saves_each_build():
     res = {"plan": dataclasses.asdict(plan), "meta": {"device": "cpu", "jax": "x", "git_commit": "c"},
            "keys": "gaussian", "offline": {k: v for k, v in late.items() if not k.endswith("_index") and k != "data"}}
     assert "Not run (the run's deadline came first): squeezed, hsqueezed." in to_markdown(res)
+
+
+def test_rows_past_the_deadline_are_listed_as_not_run():
+    """A deadline that comes after the indexes are built cuts rows; each is listed (log, JSON row
+    with its error, the markdown table), never silently missing."""
+    from benchmarks.speed import _ROW_LATE, KeySource, _length_rows, cpu_plan, to_markdown
+
+    plan = dataclasses.replace(cpu_plan(), sparsities=(0.9,), shapes=((4, 2),), hier_sparsities=(0.9,))
+    logged = []
+    rows = _length_rows(plan, KeySource(None, plan), logged.append, time.perf_counter() - 1.0, 1024, 0)
+    assert rows and all(r["error"] == _ROW_LATE for r in rows)
+    assert {r["phase"] for r in rows} == {"decode", "prefill_32"} and {r["sparsity"] for r in rows} == {0.9}
+    assert sum("not run (deadline)" in line for line in logged) == len(rows)
+    md = to_markdown({"meta": {"device": "cpu:cpu", "jax": "x", "git_commit": "x"}, "plan": dataclasses.asdict(plan),
+                      "keys": "gaussian", "errors": [], "kernels": rows})
+    assert md.count("not run: the run's deadline came first") == len(rows)
