@@ -23,9 +23,8 @@ from sqjax._checks import check_fraction
 def key_scores(cluster_scores: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-key score = its cluster's score.  cluster_scores [Hs, C], labels [Hkv, Lc] -> [Hs, Lc].
 
-    One gather from the flattened scores (row h's labels offset by h * C).  At 32 heads x 512K keys
-    XLA's GPU gather asked for 29 GiB (benchmarks/results/gpu_h100_suite_1f6c886); the index build
-    uses `key_threshold` / `key_fraction`, which need no per-key array."""
+    One gather from the flattened scores (row h's labels offset by h * C).  The index build uses
+    `key_threshold` / `key_fraction` instead, which need no [Hs, Lc] per-key array."""
     hs, c = cluster_scores.shape
     lab = labels if labels.shape[0] == hs else jnp.repeat(labels, hs // labels.shape[0], axis=0)
     flat = lab.astype(jnp.int32) + (jnp.arange(hs, dtype=jnp.int32) * c)[:, None]
