@@ -99,6 +99,18 @@ def _pad_rows(x: jax.Array, chunk: int) -> tuple[jax.Array, int]:
     return jnp.pad(x, ((0, n_pad), (0, 0))), n_pad
 
 
+ASSIGN_BLOCK_BYTES = 1 << 32  # one assignment step's similarity block [heads, chunk, C] f32, at most
+
+
+def assign_chunk(n_heads: int, n_clusters: int, chunk: int = 4096) -> int:
+    """Points per assignment step when `n_heads` point sets are assigned together (vmapped): `chunk`,
+    shortened (to a multiple of 64, at least 256) so that the [n_heads, chunk, n_clusters] f32
+    similarity block stays under `ASSIGN_BLOCK_BYTES` (32 KV heads x 512K keys at 4096: 13.7 GB, and
+    a 29 GiB temporary that an 80 GB H100 could not hold)."""
+    fit = ASSIGN_BLOCK_BYTES // max(4 * n_heads * n_clusters, 1) // 64 * 64
+    return int(min(chunk, max(256, fit)))
+
+
 def assign(xn: jax.Array, cn: jax.Array, chunk: int, prep=None) -> jax.Array:
     """Label of each unit point = argmax_c xn·cn, chunked over points.  xn [N,d], cn [C,d] -> [N].
 

@@ -404,7 +404,9 @@ def cluster_sharded(k, cfg: squeezed.SqueezedConfig, mesh: Mesh, *, layers_per_g
     c2, c1 = cluster_counts(cfg, length, n_ctx)
     ls, _ = _shard_sizes(length, n_ctx, cfg.n_sink, cfg.n_obs)
     k = _put(k, kv_sharding(mesh))
-    chunk = 4096
+    from sqjax.kmeans import assign_chunk
+
+    chunk = assign_chunk(hkv // n_heads, c2)  # one device's block [heads, chunk, C2] under 4 GiB
     fn = _cluster_fn(mesh, n_ctx, hkv, ls, c2, c1, cfg.n_sink, cfg.n_obs, cfg.kmeans_iters, chunk,
                      cfg.deterministic_build)
     # Layers in groups whose per-device similarity blocks stay under ~1 GB.

@@ -467,12 +467,9 @@ def thresholds_for(index, n_tokens: int):
     return index.threshold, index.threshold1
 
 
-_ASSIGN_BLOCK_BYTES = 1 << 32  # one layer's k-means assignment block [Hkv, chunk, C2] f32, at most (chunk >= 256)
-
-
 def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerIndex:
     """Cluster every layer's clustered keys.  k [Lyr, Hkv, L, d] (roped) -> stacked layer index."""
-    from sqjax.kmeans import KMeansConfig, cluster_level_up, spherical_kmeans
+    from sqjax.kmeans import KMeansConfig, assign_chunk, cluster_level_up, spherical_kmeans
 
     check_rank("k", k, 4, "[layers, Hkv, L, d]")
     n_layers, hkv, length, d = k.shape
@@ -482,10 +479,9 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
             f"fixed context of {length} tokens is not longer than the exact sink + tail ({cfg.n_sink} + {cfg.n_obs})"
         )
     c2, c1 = cfg.n_clusters(lc)
-    # Layers are clustered in groups whose similarity blocks stay under ~1 GB (heads vmapped).  A
-    # single layer's block [Hkv, chunk, C2] f32 is capped at 4 GiB by a shorter chunk of keys (32 KV
-    # heads x 512K: 4096 keys made it 13.7 GB, and k-means asked for a 29 GiB temporary on an 80 GB H100).
-    chunk = int(min(4096, max(256, (_ASSIGN_BLOCK_BYTES // (4 * hkv * c2)) // 64 * 64)))
+    # Layers are clustered in groups whose similarity blocks stay under ~1 GB (heads vmapped); a single
+    # layer's block [Hkv, chunk, C2] stays under 4 GiB by a shorter chunk of keys (`assign_chunk`).
+    chunk = assign_chunk(hkv, c2)
     per_layer_bytes = 4 * hkv * (min(chunk, lc) * c2 + 2 * lc * d)
     group = max(1, min(n_layers, (1 << 30) // max(per_layer_bytes, 1)))
     from sqjax.progress import track

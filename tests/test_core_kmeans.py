@@ -219,3 +219,13 @@ def test_sharded_deterministic_build_compiles_deterministic(rng):
         assert opts == (kmeans.DETERMINISTIC if det else {})
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_assign_chunk_caps_the_similarity_block():
+    """4096 points per step unless [heads, chunk, C] f32 would pass 4 GiB; then a multiple of 64, >= 256."""
+    from sqjax.kmeans import ASSIGN_BLOCK_BYTES, assign_chunk
+
+    assert assign_chunk(8, 6554) == 4096 and assign_chunk(8, 26209) == 4096   # Llama-3-8B at 128K / 512K
+    c = assign_chunk(32, 26209)                                             # Llama-2-7B at 512K
+    assert c == 1280 and c % 64 == 0 and 4 * 32 * c * 26209 <= ASSIGN_BLOCK_BYTES < 4 * 32 * (c + 64) * 26209
+    assert assign_chunk(1024, 1 << 20) == 256 and assign_chunk(1, 1, chunk=96) == 96

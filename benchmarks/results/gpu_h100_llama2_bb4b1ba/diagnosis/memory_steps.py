@@ -1,10 +1,14 @@
-"""One-off GPU diagnosis: where the 32/32 x 512K Squeezed build asks for 29 GiB (H100 80 GB)."""
+"""One-off GPU diagnosis: where the 32/32 x 512K Squeezed build asks for 29 GiB (H100 80 GB).
+
+Run on a GPU from the repository root: `PYTHONPATH=. python <this file>` (keys in .scratch/captured,
+from `python -m benchmarks.capture_keys`); writes oom_check.json under $OUT. At d706b2e its k-means
+step used 4096 keys per assignment step; the chunk is now `assign_chunk(32, c2)`."""
 import dataclasses, time, json, os, traceback
 import jax, jax.numpy as jnp
 from benchmarks.speed import KeySource, Plan
 from sqjax import squeezed
 from sqjax.methods import Squeezed
-from sqjax.kmeans import KMeansConfig, _spherical_kmeans_jit
+from sqjax.kmeans import KMeansConfig, _spherical_kmeans_jit, assign_chunk
 
 dev = jax.devices()[0]
 out = {"device": dev.device_kind, "steps": []}
@@ -25,7 +29,7 @@ cfg = Squeezed(sparsity=0.9, n_sink=1).config
 lc = 524288 - cfg.n_obs - cfg.n_sink
 c2, c1 = cfg.n_clusters(lc)
 keys = k[None, :, cfg.n_sink:cfg.n_sink + lc]
-kc = KMeansConfig(c2, cfg.kmeans_iters, chunk=int(min(4096, max(256, (squeezed._ASSIGN_BLOCK_BYTES // (4 * 32 * c2)) // 64 * 64))), seed=0, init=cfg.kmeans_init)
+kc = KMeansConfig(c2, cfg.kmeans_iters, chunk=assign_chunk(32, c2), seed=0, init=cfg.kmeans_init)
 try:
     m = _spherical_kmeans_jit.lower(keys, jnp.uint32(0), kc).compile().memory_analysis()
     mem("kmeans_compiled", temp_gib=m.temp_size_in_bytes / 2**30, out_gib=m.output_size_in_bytes / 2**30,
