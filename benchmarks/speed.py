@@ -145,8 +145,21 @@ class KeySource:
 
 
 def _err(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}"
-    return msg[:500]
+    """One line for a failed row.  Out of device memory: the device's allocator figures are added,
+    because the executable the error names is the next one to run, not always the one that asked
+    (k-means' 29 GiB temporary was reported in `jit_take_along_axis`, `jit__take` and
+    `jit_centroid_lookup_prefill`: benchmarks/results/gpu_h100_llama2_bb4b1ba)."""
+    msg = f"{type(e).__name__}: {e}"[:500]
+    if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
+        try:
+            st = jax.devices()[0].memory_stats() or {}
+        except Exception:  # noqa: BLE001
+            st = {}
+        if st:
+            gib = {k: st.get(k, 0) / 2**30 for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+            msg += (f" [device memory: {gib['bytes_in_use']:.1f} GiB in use, peak {gib['peak_bytes_in_use']:.1f}, "
+                    f"limit {gib['bytes_limit']:.1f}; the named executable may only be the next to run]")
+    return msg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -317,3 +317,19 @@ def test_rows_past_the_deadline_are_listed_as_not_run():
     md = to_markdown({"meta": {"device": "cpu:cpu", "jax": "x", "git_commit": "x"}, "plan": dataclasses.asdict(plan),
                       "keys": "gaussian", "errors": [], "kernels": rows})
     assert md.count("not run: the run's deadline came first") == len(rows)
+
+
+def test_out_of_memory_errors_carry_the_allocator_figures(monkeypatch):
+    """An OOM row says how full the device was, and that the named executable may not be the culprit."""
+    import jax
+
+    from benchmarks import speed
+
+    class Dev:
+        def memory_stats(self):
+            return {"bytes_in_use": 28 * 2**30, "peak_bytes_in_use": 50 * 2**30, "bytes_limit": 59 * 2**30}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    msg = speed._err(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 29.16GiB"))
+    assert "28.0 GiB in use, peak 50.0, limit 59.0" in msg and "next to run" in msg
+    assert speed._err(ValueError("bad shape")) == "ValueError: bad shape"
