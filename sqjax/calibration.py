@@ -32,13 +32,14 @@ def key_scores(cluster_scores: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def _key_weights(cluster_scores, counts) -> np.ndarray:
-    """counts [Hkv, C] repeated to cluster_scores' selection heads [Hs, C] (a KV head's clusters)."""
+    """counts [Hkv, C] repeated to cluster_scores' selection heads [..., Hs, C] (a selection head
+    reads its KV head's clusters) and broadcast over its leading axes."""
     n = np.asarray(counts)
-    hs = np.shape(cluster_scores)[-2]
-    if n.ndim != 2 or np.shape(cluster_scores)[-1] != n.shape[-1] or hs % n.shape[0]:
-        raise ValueError(f"need cluster_scores [Hs, C] and counts [Hkv, C] with Hs a multiple of Hkv; "
-                         f"got {np.shape(cluster_scores)} and {n.shape}")
-    return np.repeat(n, hs // n.shape[0], axis=0)
+    shape = np.shape(cluster_scores)
+    if len(shape) < 2 or n.ndim != 2 or shape[-1] != n.shape[-1] or shape[-2] % n.shape[0]:
+        raise ValueError(f"need cluster_scores [..., Hs, C] and counts [Hkv, C] with Hs a multiple of Hkv; "
+                         f"got {shape} and {n.shape}")
+    return np.broadcast_to(np.repeat(n, shape[-2] // n.shape[0], axis=0), shape)
 
 
 def key_threshold(cluster_scores, counts, sparsity: float) -> float:
@@ -99,11 +100,7 @@ def weighted_threshold(cluster_scores, counts, sparsity: float) -> float:
     """
     check_fraction("sparsity", sparsity)
     s = np.asarray(cluster_scores, np.float64)
-    n = np.asarray(counts, np.float64)
-    if s.ndim < 2 or n.ndim != 2 or s.shape[-1] != n.shape[-1] or s.shape[-2] % n.shape[0]:
-        raise ValueError(f"need cluster_scores [..., Hs, C] and counts [Hkv, C] with Hs a multiple of Hkv; "
-                         f"got {s.shape} and {n.shape}")
-    w = np.broadcast_to(np.repeat(n, s.shape[-2] // n.shape[0], axis=0), s.shape).reshape(-1)
+    w = _key_weights(s, counts).astype(np.float64).reshape(-1)
     s = s.reshape(-1)
     keep = w > 0
     s, w = s[keep], w[keep]
@@ -140,9 +137,11 @@ def weighted_quantile(values, weights, q: float) -> float:
     lo = int(math.floor(h))
     hi = min(lo + 1, n - 1)
     t = h - lo
-    a, b = _at_ranks(v, w, n, (lo, hi))
-    # numpy's lerp: a + (b − a)·t, computed from the upper end when t >= 0.5
-    return float(b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t)
+    ft = v.dtype.type
+    a, b = (ft(x) for x in _at_ranks(v, w, n, (lo, hi)))
+    # numpy's lerp: a + (b − a)·t, computed from the upper end when t >= 0.5, in the values' float
+    # type (numpy 2 promotes a Python-float t weakly: f32 values interpolate in f32)
+    return float(b - (b - a) * ft(1 - t) if t >= 0.5 else a + (b - a) * ft(t))
 
 
 def _ranks_sorted(v, w, ranks, below: int = 0) -> list[float]:
