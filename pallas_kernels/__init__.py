@@ -12,7 +12,7 @@ from pallas_kernels._attention_core import AttentionConfig
 from pallas_kernels._dispatch import BACKENDS, resolve_backend
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, centroid_lookup_decode,
                                             centroid_lookup_prefill, centroid_lookup_reference)
-from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout, clustered_decode_attention, clustered_decode_attention_reference, clustered_decode_batched, clustered_decode_batched_reference, clustered_decode_hierarchical, clustered_decode_hierarchical_batched, clustered_decode_hierarchical_batched_reference, clustered_decode_hierarchical_reference, clustered_decode_partial, clustered_decode_selected, clustered_decode_selected_reference, clustered_prefill_attention, clustered_prefill_attention_reference)  # noqa: E501
+from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout, clustered_decode_attention, clustered_decode_attention_reference, clustered_decode_batched, clustered_decode_batched_reference, clustered_decode_hierarchical, clustered_decode_hierarchical_batched, clustered_decode_hierarchical_batched_reference, clustered_decode_hierarchical_reference, clustered_decode_partial, clustered_decode_selected, clustered_decode_selected_reference, clustered_prefill_attention, clustered_prefill_attention_reference, clustered_prefill_hierarchical, clustered_prefill_hierarchical_reference)  # noqa: E501
 from pallas_kernels.dense_attention import dense_attention_reference, dense_decode_attention, dense_prefill_attention
 from pallas_kernels.hierarchical_lookup import (hierarchical_lookup_decode, hierarchical_lookup_prefill,
                                                 hierarchical_lookup_reference, hierarchical_scores)
@@ -31,7 +31,8 @@ __all__ = [
     "clustered_decode_hierarchical", "clustered_decode_hierarchical_batched",
     "clustered_decode_hierarchical_batched_reference", "clustered_decode_hierarchical_reference",
     "clustered_decode_partial", "clustered_decode_selected", "clustered_decode_selected_reference",
-    "clustered_prefill_attention", "clustered_prefill_attention_reference",
+    "clustered_prefill_attention", "clustered_prefill_attention_reference", "clustered_prefill_hierarchical",
+    "clustered_prefill_hierarchical_reference",
     "centroid_lookup_decode", "centroid_lookup_prefill", "centroid_lookup_reference",
     "clusters_to_indices", "dense_attention_reference", "dense_decode_attention", "dense_prefill_attention", "gather_live_rows",
     "gather_live_rows_reference", "gather_then_dense_attention",

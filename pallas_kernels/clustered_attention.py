@@ -75,15 +75,16 @@ from pallas_kernels import _common as cm
 from pallas_kernels._dispatch import pallas_call, resolve_backend
 from pallas_kernels.centroid_lookup import (CentroidLookupConfig, Level1Raw, centroid_lookup_prefill,
                                             centroid_lookup_reference, lookup_decode_raw)
-from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree,
+from pallas_kernels.hierarchical_lookup import (_validate as _validate_tree, hierarchical_lookup_prefill,
                                                 hierarchical_lookup_reference)
-from pallas_kernels.sparse_attention import gather_then_dense_attention, sparse_attention
+from pallas_kernels.sparse_attention import NEW_PART_MODES, gather_then_dense_attention, sparse_attention
 
 __all__ = ["ClusteredConfig", "cluster_sort_layout", "clustered_decode_attention", "clustered_decode_batched",
            "clustered_decode_batched_reference",
            "clustered_decode_hierarchical", "clustered_decode_hierarchical_reference", "clustered_decode_partial",
            "clustered_decode_attention_reference", "clustered_prefill_attention",
-           "clustered_prefill_attention_reference"]
+           "clustered_prefill_attention_reference", "clustered_prefill_hierarchical",
+           "clustered_prefill_hierarchical_reference"]
 
 MAX_VOTE_Q_GROUP = 30     # vote="q" keeps one bit per query head of a group in an int32
 
@@ -720,15 +721,13 @@ def _row_cluster(offsets, num_l):
 
 
 def _reference(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new, *,
-               scale, vote, reduce_stats=None):
-  """q [Hq, T, d] -> (o [Hq, T, d] f32, lse [Hq, T] f32, selected [Hs, C], rows [Hs])."""
-  hq, seq_len, d = q.shape
-  hkv, num_l, _ = k.shape
-  num_c = centroids.shape[1]
-  g = hq // hkv
+               scale, vote, reduce_stats=None, q_valid=None):
+  """q [Hq, T, d] (selection: S averaged over the tokens q_valid [T] marks, all when None)
+  -> (o [Hq, T, d] f32, lse [Hq, T] f32, selected [Hs, C], rows [Hs])."""
+  num_l = k.shape[1]
   counts = _counts(offsets, num_l)
   sel, _ = centroid_lookup_reference(q, centroids, counts, threshold, scale=scale, vote=vote,
-                                     reduce_stats=reduce_stats)
+                                     reduce_stats=reduce_stats, q_valid=q_valid)
   out, lse = _attend_selected(q, k, v, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
   return out, lse, sel, _rows_of_selection(sel, offsets, num_l)
 
@@ -788,12 +787,26 @@ def clustered_decode_attention_reference(q, k_sorted, v_sorted, centroids, offse
 @functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
 def clustered_prefill_attention_reference(q, k_sorted, v_sorted, centroids, offsets, threshold,
                                           k_new, v_new, q_pos, kv_pos_new, *, scale, vote="kv",
-                                          return_stats=False):
-  """Plain-jnp ``clustered_prefill_attention`` (S averaged over the T tokens)."""
+                                          return_stats=False, q_valid=None):
+  """Plain-jnp ``clustered_prefill_attention`` (S averaged over the tokens q_valid [T] marks)."""
   o, _, sel, rows = _reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new,
-                               v_new, q_pos, kv_pos_new, scale=scale, vote=vote)
+                               v_new, q_pos, kv_pos_new, scale=scale, vote=vote, q_valid=q_valid)
   o = o.astype(q.dtype)
   return (o, sel, rows) if return_stats else o
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
+def clustered_prefill_hierarchical_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets,
+                                             parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, *,
+                                             scale, vote="kv", return_stats=False, q_valid=None):
+  """Plain jnp: ``hierarchical_lookup_reference`` over the block (Eq. 2-3 averaged over the tokens
+  q_valid [T] marks; level-2 counts from the offsets), then exact attention over its selection."""
+  num_l = k_sorted.shape[1]
+  sel, _, _ = hierarchical_lookup_reference(q, centroids1, counts1, centroids2, _counts(offsets, num_l), parent,
+                                            threshold1, threshold2, scale=scale, vote=vote, q_valid=q_valid)
+  o, _ = _attend_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
+  o = o.astype(q.dtype)
+  return (o, sel, _rows_of_selection(sel, offsets, num_l)) if return_stats else o
 
 
 # ----------------------------------------------------------------------------
@@ -1256,8 +1269,34 @@ def _expand_positions(sel, offsets, num_l, cap):
   return pos.astype(jnp.int32), n, wanted
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "capacity", "return_stats",
-                                             "backend", "config"))
+def _prefill_attend(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale, be, capacity,
+                    new_part):
+  """Exact attention of a block over the selected clusters' row ranges + the exact part + the new
+  part (``be``: a Pallas backend).  -> (o [Hq, T, d] in q's dtype, rows [Hs] wanted)."""
+  num_l = k_sorted.shape[1]
+  cap = num_l if capacity is None else min(capacity, num_l)
+  # cuDNN takes bf16/f16 only: f32 goes through the in-kernel gather (same on "interpret",
+  # where gather_then_dense uses XLA's dense attention, so both routes are tested on CPU).
+  cudnn_ok = jnp.dtype(q.dtype) != jnp.dtype(jnp.float32)
+
+  def attend(c):
+    idx, n, _ = _expand_positions(sel, offsets, num_l, c)
+    if cudnn_ok:
+      return gather_then_dense_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos,
+                                         kv_pos_new, scale=scale, backend=be, compact=True, new_part=new_part)
+    return sparse_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos, kv_pos_new,
+                            scale=scale, backend=be)
+
+  rows = _rows_of_selection(sel, offsets, num_l)
+  if cap >= num_l:
+    return attend(num_l), rows
+  return lax.cond(jnp.any(rows > cap), lambda: attend(num_l), lambda: attend(cap)), rows
+
+
+_PREFILL_STATIC = ("scale", "vote", "capacity", "return_stats", "backend", "config", "new_part")
+
+
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
 def clustered_prefill_attention(
     q: jax.Array,            # [Hq, T, d]
     k_sorted: jax.Array,     # [Hkv, L, d]
@@ -1276,49 +1315,102 @@ def clustered_prefill_attention(
     return_stats: bool = False,
     backend: str = "auto",
     config: CentroidLookupConfig | None = None,
+    q_valid: jax.Array | None = None,   # [T] bool: the block's real tokens (None: all)
+    new_part: str = "causal",
 ):
   """Squeezed prefill over the cluster-contiguous layout: one selection per head
-  for the T-token block (Eq. 1 per token, mean over tokens, then over the group for
-  ``vote="kv"``), exact attention over selected rows + exact part + causal new part.
+  for the T-token block (Eq. 1 per token, mean over the tokens ``q_valid`` marks, then over
+  the group for ``vote="kv"``), exact attention over selected rows + exact part + causal
+  new part (``new_part``: how cuDNN takes it, see ``gather_then_dense_attention``).
 
   ``capacity`` (static): fixed-context rows per selection head gathered for the
-  dense attention (None = L, never overflows).  If a head wants more, the call
-  takes a ``lax.cond`` branch with capacity L (same result, slower): never
-  silently wrong.  With ``return_stats`` also ``selected [Hs, C]`` and
-  ``rows [Hs]`` (wanted rows: clustered + exact; > capacity = the slow branch ran).
+  dense attention (None = L: every selected row, no branch, never overflows).  If a head
+  wants more, the call takes a ``lax.cond`` branch with capacity L (same result, slower):
+  never silently wrong.  ``config``: the lookup kernels' (``INT8_PREFILL``: int8 logits).
+  With ``return_stats`` also ``selected [Hs, C]`` and ``rows [Hs]`` (wanted rows:
+  clustered + exact; > capacity = the slow branch ran).
   """
   _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
             kv_pos_new, 3, vote)
+  cm.check_token_valid(q_valid, q.shape[1])
   scale = cm.check_scale(scale)
   be = resolve_backend(backend)
-  if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-    raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
-  if be == "reference":
+  _check_prefill_options(capacity, new_part)
+  if be == "reference" and (config is None or config.prefill_int8 is None):
     return clustered_prefill_attention_reference(
         q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
-        scale=scale, vote=vote, return_stats=return_stats)
+        scale=scale, vote=vote, return_stats=return_stats, q_valid=q_valid)
   num_l = k_sorted.shape[1]
-  cap = num_l if capacity is None else min(capacity, num_l)
-  counts = _counts(offsets, num_l)
-  sel, _ = centroid_lookup_prefill(q, centroids, counts, threshold, scale=scale, vote=vote,
-                                   backend=be, config=config)
-  # cuDNN takes bf16/f16 only: f32 goes through the in-kernel gather (same on "interpret",
-  # where gather_then_dense uses XLA's dense attention, so both routes are tested on CPU).
-  cudnn_ok = jnp.dtype(q.dtype) != jnp.dtype(jnp.float32)
+  sel, _ = centroid_lookup_prefill(q, centroids, _counts(offsets, num_l), threshold, scale=scale, vote=vote,
+                                   backend=be, config=config, q_valid=q_valid)
+  return _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                           be=be, capacity=capacity, new_part=new_part, return_stats=return_stats)
 
-  def attend(c):
-    idx, n, _ = _expand_positions(sel, offsets, num_l, c)
-    if cudnn_ok:
-      return gather_then_dense_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos,
-                                         kv_pos_new, scale=scale, backend=be, compact=True)
-    return sparse_attention(q, k_sorted, v_sorted, idx, n, k_new, v_new, q_pos, kv_pos_new,
-                            scale=scale, backend=be)
 
-  rows = _rows_of_selection(sel, offsets, num_l)
-  if cap >= num_l:
-    out = attend(num_l)
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
+def clustered_prefill_hierarchical(
+    q: jax.Array,            # [Hq, T, d]
+    k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys (level-2 clusters)
+    v_sorted: jax.Array,     # [Hkv, L, d]
+    centroids1: jax.Array,   # [Hkv, C1, d] level-1 centroids
+    counts1: jax.Array,      # [Hkv, C1] int32 keys under each level-1 cluster
+    centroids2: jax.Array,   # [Hkv, C, d] level-2 centroids
+    offsets: jax.Array,      # [Hkv, C + 1] int32 (level-2 cluster c = rows [offsets[c], offsets[c+1]))
+    parent: jax.Array,       # [Hkv, C] int32 level-1 parent of each level-2 cluster
+    threshold1: jax.Array,   # [] f32 T1
+    threshold2: jax.Array,   # [] f32 T2
+    k_new: jax.Array,        # [Hkv, S, d]
+    v_new: jax.Array,        # [Hkv, S, d]
+    q_pos: jax.Array,        # [T] int32
+    kv_pos_new: jax.Array,   # [S] int32
+    *,
+    scale: float,
+    vote: str = "kv",
+    capacity: int | None = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+    config: CentroidLookupConfig | None = None,
+    q_valid: jax.Array | None = None,   # [T] bool: the block's real tokens (None: all)
+    new_part: str = "causal",
+):
+  """Hierarchical Squeezed prefill (Eq. 2-3 averaged over the tokens ``q_valid`` marks) over the
+  cluster-contiguous layout: the hierarchical lookup kernels select the level-2 clusters, then the
+  same attention as ``clustered_prefill_attention`` (level-2 counts from ``offsets``; ``capacity``,
+  ``config``, ``new_part`` and ``return_stats`` as there)."""
+  _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 3, vote)
+  _validate_level1(q[:, 0], centroids1, counts1, centroids2, offsets, parent, threshold1, vote)
+  cm.check_token_valid(q_valid, q.shape[1])
+  scale = cm.check_scale(scale)
+  be = resolve_backend(backend)
+  _check_prefill_options(capacity, new_part)
+  if be == "reference" and (config is None or config.prefill_int8 is None):
+    return clustered_prefill_hierarchical_reference(
+        q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent, threshold1, threshold2, k_new,
+        v_new, q_pos, kv_pos_new, scale=scale, vote=vote, return_stats=return_stats, q_valid=q_valid)
+  sel, _, _ = hierarchical_lookup_prefill(q, centroids1, counts1, centroids2, _counts(offsets, k_sorted.shape[1]),
+                                          parent, threshold1, threshold2, scale=scale, vote=vote, backend=be,
+                                          config=config, q_valid=q_valid)
+  return _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                           be=be, capacity=capacity, new_part=new_part, return_stats=return_stats)
+
+
+def _check_prefill_options(capacity, new_part):
+  if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+    raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+  if new_part not in NEW_PART_MODES:
+    raise ValueError(f"new_part must be one of {NEW_PART_MODES}, got {new_part!r}")
+
+
+def _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale, be, capacity,
+                      new_part, return_stats):
+  """A block's attention over a selection ``sel`` [Hs, C] made by one of the lookups: the Pallas
+  route, or (an int8 selection under ``backend="reference"``) the plain-jnp attention."""
+  if be == "reference":
+    o, _ = _attend_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
+    out, rows = o.astype(q.dtype), _rows_of_selection(sel, offsets, k_sorted.shape[1])
   else:
-    out = lax.cond(jnp.any(rows > cap), lambda: attend(num_l), lambda: attend(cap))
+    out, rows = _prefill_attend(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                                be=be, capacity=capacity, new_part=new_part)
   return (out, sel, rows) if return_stats else out
 
 

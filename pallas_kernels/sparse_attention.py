@@ -53,7 +53,7 @@ from pallas_kernels._attention_core import AttentionConfig
 from pallas_kernels._dispatch import pallas_call, resolve_backend
 
 __all__ = ["AttentionConfig", "sparse_attention", "sparse_attention_reference",
-           "gather_then_dense_attention", "gather_live_rows", "gather_live_rows_reference",
+           "gather_then_dense_attention", "gather_live_rows", "gather_live_rows_reference", "interleaved_rows",
            "clusters_to_indices"]
 
 
@@ -242,55 +242,85 @@ def _gather_kernel(n_ref,    # [Hs] int32 live rows per selection head
                    v_ref,    # [Hkv * L, d]
                    ko_ref,   # out [Hs * cap_p, d]
                    vo_ref,   # out [Hs * cap_p, d]
-                   *, num_l, cap, cap_p, d, dp, per_kv):
+                   *, num_l, cap, cap_p, d, dp, per_kv, splits):
   s = pl.program_id(0)
-  j = pl.program_id(1) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=jnp.int32)   # < cap_p
+  p = pl.program_id(1) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=jnp.int32)   # output rows < cap_p
   n = n_ref[s]
+  if splits == 1:
+    j, r, per = p, p, n                         # output row p holds live row p
+  else:                                         # chunk c = p // chunk holds live rows c, c + splits, ...
+    chunk = cap_p // splits
+    r = cm.krem(p, chunk)
+    j = r * splits + cm.kdiv(p, chunk)
+    per = cm.kcdiv(n, splits)                   # the longest chunk's live rows
   live = j < n
-  write = j < n + GATHER_ZERO                   # live rows + a zeroed margin; the rest untouched
+  write = r < per + GATHER_ZERO                 # live rows + a zeroed margin per chunk; the rest untouched
   pos = cm.gather_vec(idx_ref, s * cap + j, live)
   # clipped: in bounds whatever a caller's promise of compact rows holds
   rows = jnp.where(live, lax.div(s, jnp.int32(per_kv)) * num_l + jnp.clip(pos, 0, num_l - 1), 0)
   cols = jnp.arange(dp, dtype=jnp.int32)
   dmask = (cols < d)[None, :]
-  out_rows = s * cap_p + j                      # distinct and in bounds, written or not
+  out_rows = s * cap_p + p                      # distinct and in bounds, written or not
   for src, dst in ((k_ref, ko_ref), (v_ref, vo_ref)):
     tile = plgpu.load(src.at[rows[:, None], cols[None, :]], mask=live[:, None] & dmask, other=0)
     plgpu.store(dst.at[out_rows[:, None], cols[None, :]], tile, mask=write[:, None] & dmask)
 
 
-def _gather_capacity(cap: int) -> int:
-  return cm.cdiv(cap, GATHER_ROWS) * GATHER_ROWS
+def _gather_capacity(cap: int, splits: int = 1) -> int:
+  return cm.cdiv(cap, GATHER_ROWS * splits) * GATHER_ROWS * splits
 
 
-def gather_live_rows_reference(k, v, idx, n):
+def interleaved_rows(n, cap_p: int, splits: int):
+  """Where ``gather_live_rows(..., splits=splits)`` puts live row j: chunk ``j % splits`` of the
+  ``cap_p // splits`` rows, slot ``j // splits``, so every chunk holds ``ceil((n - c) / splits)`` of
+  the n live rows.  -> (src [cap_p]: the live row each output row holds, lens [Hs, splits]: live rows
+  per chunk, the key lengths a flash call over the chunks takes).  n [Hs] int32."""
+  chunk = cap_p // splits
+  p = jnp.arange(cap_p, dtype=jnp.int32)
+  src = (p % chunk) * splits + p // chunk
+  c = jnp.arange(splits, dtype=jnp.int32)
+  lens = jnp.clip((n[:, None] - c[None, :] + splits - 1) // splits, 0, chunk).astype(jnp.int32)
+  return src, lens
+
+
+def gather_live_rows_reference(k, v, idx, n, splits: int = 1):
   """K and V rows ``idx[s, j]`` of KV head ``s // (Hs // Hkv)`` for ``j < n[s]``, zeros past
-  ``n[s]``: [Hs, cap_p, d] each, ``cap_p`` = cap rounded up to ``GATHER_ROWS``.
-  idx [Hs, cap] int32, in [0, L) where live; n [Hs] int32 in [0, cap]."""
+  ``n[s]``: [Hs, cap_p, d] each, ``cap_p`` = cap rounded up to ``GATHER_ROWS * splits``.
+  idx [Hs, cap] int32, in [0, L) where live; n [Hs] int32 in [0, cap].  ``splits`` > 1: the rows
+  dealt round-robin into that many equal chunks (``interleaved_rows``), zeros after each chunk's
+  own rows, so that a flash call over the chunks gives every chunk a share of the keys."""
   hkv, num_l, d = k.shape
   hs, cap = idx.shape
-  idx = cm.pad_axis(idx, 1, _gather_capacity(cap))
+  cap_p = _gather_capacity(cap, splits)
+  idx = cm.pad_axis(idx, 1, cap_p)
+  src = jnp.arange(cap_p, dtype=jnp.int32)
+  if splits > 1:
+    src = interleaved_rows(n, cap_p, splits)[0]
+    idx = idx[:, src]
   kvh = jnp.arange(hs, dtype=jnp.int32) // (hs // hkv)
   rows = (kvh[:, None] * num_l + idx).reshape(-1)
-  live = (jnp.arange(idx.shape[1])[None, :] < n[:, None]).reshape(-1, 1)
+  live = (src[None, :] < n[:, None]).reshape(-1, 1)
   take = lambda x: jnp.where(live, jnp.take(x.reshape(hkv * num_l, d), rows, axis=0), 0).reshape(hs, -1, d)  # noqa: E731
   return take(k), take(v)
 
 
-def gather_live_rows(k, v, idx, n, *, backend: str):
+def gather_live_rows(k, v, idx, n, *, backend: str, splits: int = 1):
   """``gather_live_rows_reference`` as a Pallas kernel that reads and writes only the live rows
-  (plus ``GATHER_ZERO`` zeroed rows past each count).  With a static capacity well above the
-  rows a head keeps, the jnp gather writes all ``cap`` rows of every head (0.39 ms of 9.5 for
-  4K tokens over 512K on an H200).  Rows past ``n + GATHER_ZERO`` are left unwritten: only
-  consumers bounded by ``n`` (cuDNN with per-head key lengths) may read this output."""
+  (plus ``GATHER_ZERO`` zeroed rows past each count, or past each chunk's rows with ``splits``).
+  With a static capacity well above the rows a head keeps, the jnp gather writes all ``cap`` rows
+  of every head (0.39 ms of 9.5 for 4K tokens over 512K on an H200).  Rows past that margin are
+  left unwritten: only consumers bounded by the counts (cuDNN with per-head or per-chunk key
+  lengths) may read this output."""
   be = resolve_backend(backend)
+  if not isinstance(splits, int) or splits < 1:
+    raise ValueError(f"splits must be a positive int, got {splits!r}")
   if be == "reference":
-    return gather_live_rows_reference(k, v, idx, n)
+    return gather_live_rows_reference(k, v, idx, n, splits)
   hkv, num_l, d = k.shape
   hs, cap = idx.shape
-  cap_p = _gather_capacity(cap)
+  cap_p = _gather_capacity(cap, splits)
   kern = functools.partial(_gather_kernel, num_l=num_l, cap=cap, cap_p=cap_p, d=d,
-                           dp=cm.padded_head_dim(d), per_kv=hs // hkv)
+                           dp=cm.padded_head_dim(d), per_kv=hs // hkv, splits=splits)
   shape = jax.ShapeDtypeStruct((hs * cap_p, d), k.dtype)
   ko, vo = pallas_call(kern, backend=be, num_warps=4, num_stages=1,
                        grid=(hs, cap_p // GATHER_ROWS), out_shape=[shape, shape],
@@ -445,13 +475,18 @@ def gather_then_dense_attention(
     comp, n = idx, jnp.clip(counts, 0, cap).astype(jnp.int32)
   else:
     comp, n = _compact(idx, counts, num_l)
-  ks, vs = gather_live_rows(k, v, comp, n, backend=be)           # [Hs, cap_p >= cap, d]
+  # the flash call's key splits, chosen for the buffer; the gather deals the live rows round-robin
+  # into them, so each split holds ~n / splits keys whatever n is (in contiguous chunks a capacity
+  # well above n left the last splits empty: a tenth of the programs working)
+  hs = idx.shape[0]
+  splits = flash_kv_splits(hs, q.shape[0] // hs * q.shape[1], _gather_capacity(cap)) if cap else 1
+  ks, vs = gather_live_rows(k, v, comp, n, backend=be, splits=splits)   # [Hs, cap_p >= cap, d]
   if impl == "xla":   # XLA's attention reads every row: zero what the kernel left unwritten
-    live = (jnp.arange(ks.shape[1])[None, :] < n[:, None])[..., None]
+    live = (interleaved_rows(n, ks.shape[1], splits)[0][None, :] < n[:, None])[..., None]
     ks, vs = jnp.where(live, ks, 0), jnp.where(live, vs, 0)
   ks, vs = (ks[:, :, None], vs[:, :, None]) if cap else (ks[:, :0, None], vs[:, :0, None])
   return fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=impl,
-                        return_lse=return_lse, new_part=new_part)
+                        return_lse=return_lse, kv_splits=splits, interleaved=True, new_part=new_part)
 
 
 FLASH_ROWS = 128        # query rows per flash-attention program (cuDNN's tile on Hopper)
@@ -472,11 +507,12 @@ def flash_kv_splits(heads: int, rows: int, num_l: int, min_chunk: int = 2048) ->
   return s
 
 
-def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation):
+def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation, interleaved=False):
   """Flash attention of qs [Hs, R, 1, d] (BTNH, no mask) over ks, vs [Hs, Lk, 1, d] (the first
   ``n[s]`` keys of head s, all if n is None), the keys cut into ``splits`` contiguous chunks (a
   free reshape: chunks become batch entries, qs is repeated for each) whose partial results are
-  merged by log-sum-exp.  -> (o [Hs, R, d], lse [Hs, R] f32, -inf where a head has no key)."""
+  merged by log-sum-exp.  ``interleaved``: the n keys were dealt round-robin into the chunks
+  (``gather_live_rows(..., splits=splits)``), so chunk c holds its first ``ceil((n - c) / splits)``.  -> (o [Hs, R, d], lse [Hs, R] f32, -inf where a head has no key)."""
   hs, rows, _, d = qs.shape
   lk = ks.shape[1]
   chunk = lk // splits
@@ -484,7 +520,9 @@ def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation):
     qs = jnp.broadcast_to(qs[:, None], (hs, splits) + qs.shape[1:]).reshape(hs * splits, rows, 1, d)
     ks, vs = ks.reshape(hs * splits, chunk, 1, d), vs.reshape(hs * splits, chunk, 1, d)
   lens = None
-  if n is not None:
+  if n is not None and interleaved:
+    lens = interleaved_rows(n, lk, splits)[1].reshape(-1)
+  elif n is not None:
     lens = jnp.clip(n[:, None] - chunk * jnp.arange(splits)[None, :], 0, chunk).reshape(-1).astype(jnp.int32)
   o, lse = _dense_attention(qs, ks, vs, mask=None, kv_len=lens, scale=scale, implementation=implementation)
   o, lse = o.reshape(hs, splits, rows, d), lse.reshape(hs, splits, rows)
@@ -496,10 +534,11 @@ def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation):
 
 
 def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, return_lse,
-                   kv_splits=None, new_part="causal"):
+                   kv_splits=None, interleaved=False, new_part="causal"):
   """Dense attention (cuDNN or XLA) of q [Hq, T, d] over a fixed part ks, vs [Hs, Lk, 1, d]
   (BTNH; the first ``n[s]`` rows of selection head s, or all ``Lk`` if n is None; in ``kv_splits``
-  contiguous chunks, None = ``flash_kv_splits``) and over the causal new part, merged by
+  contiguous chunks, None = ``flash_kv_splits``, the rows dealt round-robin into them with
+  ``interleaved``) and over the causal new part, merged by
   log-sum-exp -> o [Hq, T, d] in q's dtype (, lse [Hq, T] f32). ``new_part``: see `_new_part`."""
   hq, seq_len, d = q.shape
   hs, lk = ks.shape[:2]
@@ -511,7 +550,8 @@ def fixed_plus_new(q, ks, vs, n, k_new, v_new, q_pos, kv_pos_new, *, scale, impl
   parts = []
   if lk:
     splits = flash_kv_splits(hs, r * seq_len, lk) if kv_splits is None else kv_splits
-    o1, lse1 = _flash_fixed(qs, ks, vs, n, scale=scale, splits=splits, implementation=implementation)
+    o1, lse1 = _flash_fixed(qs, ks, vs, n, scale=scale, splits=splits, implementation=implementation,
+                            interleaved=interleaved)
     parts.append((o1.reshape(hq, seq_len, d), lse1.reshape(hq, seq_len), jnp.isfinite(lse1.reshape(hq, seq_len))))
   if num_s:
     parts.append(_new_part(q, k_new, v_new, q_pos, kv_pos_new, scale=scale, implementation=implementation,

@@ -533,6 +533,105 @@ def test_prefill_interpret_matches_reference(rng, vote, dtype, capacity):
   assert rel(out, ref) < (2e-5 if dtype == jnp.float32 else 3e-2)
 
 
+def _left_padded(x, n_pad):
+  """The block's first n_pad tokens made padding (position -1), as a question bucket pads them."""
+  qp = np.asarray(x["qp"]).copy()
+  qp[:n_pad] = -1
+  return dict(x, qp=jnp.asarray(qp, jnp.int32)), jnp.asarray(qp >= 0)
+
+
+@pytest.mark.parametrize("vote,dtype,new_part", [("kv", BF, "causal_left_padded"), ("q", jnp.float32, "causal")])
+def test_prefill_q_valid_matches_brute(rng, vote, dtype, new_part):
+  """A left-padded block (the question route): S averaged over the real tokens only; the padding
+  rows attend the fixed part alone; every selected row attended with no capacity (interpret) ==
+  float64 brute force over the real tokens' selection, and == the reference."""
+  d, seq_len, n_pad = 32, 7, 3
+  scale = d ** -0.5
+  x, meta = make_case(rng, d=d, seq_len=seq_len, num_s=seq_len, dtype=dtype)
+  x = dict(x, kvp=jnp.asarray(meta["num_l"] + np.arange(seq_len), jnp.int32))   # the block's own keys
+  x = dict(x, qp=x["kvp"], kn=jnp.nan_to_num(x["kn"]), vn=jnp.nan_to_num(x["vn"]))
+  x, q_valid = _left_padded(x, n_pad)
+  real = dict(x, q=x["q"][:, n_pad:])
+  thr = threshold_for(real, meta, scale, vote)
+  _, sel_np, rows_np = brute(real, thr, scale, vote)
+  o_np, _, _ = brute(x, thr, scale, vote, sel=sel_np)
+  x = poison_unselected(x, meta, sel_np)
+  args = args_of(x, thr)
+  out, sel, rows = clustered_prefill_attention(*args, scale=scale, vote=vote, return_stats=True, backend="interpret",
+                                               q_valid=q_valid, new_part=new_part)
+  ref = clustered_prefill_attention_reference(*args, scale=scale, vote=vote, q_valid=q_valid)
+  np.testing.assert_array_equal(np.asarray(sel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rows), rows_np)
+  tol = 2e-5 if dtype == jnp.float32 else 3e-2
+  assert not np.isnan(f64(out)).any() and rel(out, o_np) < tol and rel(ref, o_np) < tol
+
+
+@pytest.mark.parametrize("hq,hkv,vote,dtype,capacity", [(8, 2, "kv", BF, None), (8, 2, "q", jnp.float32, None),
+                                                          (3, 3, "kv", BF, "small")])
+def test_prefill_hierarchical_matches_brute(rng, hq, hkv, vote, dtype, capacity):
+  """clustered_prefill_hierarchical (interpret: the hierarchical lookup kernels, then the gather +
+  dense route) == Eq. 2-3 averaged over the block's real tokens (float64 brute force) attended
+  exactly, with the rows no head selects poisoned; == its reference; a capacity some head exceeds
+  takes the exact branch; T1 above every level-1 score leaves the exact part and the new keys."""
+  from pallas_kernels.clustered_attention import (clustered_prefill_hierarchical,
+                                                  clustered_prefill_hierarchical_reference)
+  from test_kernels_hierarchical_lookup import brute_hierarchical   # tests/ is on sys.path under pytest
+  d, seq_len, n_pad = 32, 6, 2
+  scale = d ** -0.5
+  x, meta, tree = _tree_case(rng, hq=hq, hkv=hkv, dtype=dtype, d=d, seq_len=seq_len, num_s=12)
+  x, q_valid = _left_padded(x, n_pad)
+  real_q = x["q"][:, n_pad:]
+  t1, t2 = _tree_thresholds(dict(x, q=real_q), meta, tree, scale, vote)
+  sel_np, _, _ = brute_hierarchical(f64(real_q), f64(tree["c1"]), tree["n1"], f64(tree["c2"]), meta["counts"],
+                                    tree["parent"], t1, t2, scale, vote)
+  assert sel_np.any()
+  o_np, _, rows_np = brute(x, None, scale, vote, sel=sel_np)
+  x = poison_unselected(x, meta, sel_np)
+  args = (x["q"], x["k"], x["v"], tree["c1"], tree["n1"], tree["c2"], x["offs"], tree["parent"],
+          jnp.float32(t1), jnp.float32(t2), x["kn"], x["vn"], x["qp"], x["kvp"])
+  if capacity == "small":
+    capacity = int(np.min(rows_np))
+    assert (rows_np > capacity).any()                          # the exact branch runs
+  out, sel, rows = clustered_prefill_hierarchical(*args, scale=scale, vote=vote, capacity=capacity, return_stats=True,
+                                                  backend="interpret", q_valid=q_valid,
+                                                  config=CentroidLookupConfig(block_c=16, block_t=16))
+  ref = clustered_prefill_hierarchical_reference(*args, scale=scale, vote=vote, q_valid=q_valid)
+  np.testing.assert_array_equal(np.asarray(sel), sel_np)
+  np.testing.assert_array_equal(np.asarray(rows), rows_np)
+  tol = 2e-5 if dtype == jnp.float32 else 3e-2
+  assert out.dtype == dtype and not np.isnan(f64(out)).any() and rel(out, o_np) < tol and rel(ref, o_np) < tol
+  none = clustered_prefill_hierarchical(*args[:8], jnp.float32(2.0), *args[9:], scale=scale, vote=vote,
+                                        backend="interpret", q_valid=q_valid)
+  o0, _, _ = brute(x, None, scale, vote, sel=np.zeros_like(sel_np))
+  assert not np.isnan(f64(none)).any() and rel(none, o0) < tol
+
+
+def test_prefill_int8_reference_matches_interpret(rng):
+  """The int8 lookup config: the reference backend selects from the quantized inputs as the
+  kernels do, so both routes attend the same clusters."""
+  from pallas_kernels.centroid_lookup import INT8_PREFILL
+  d, seq_len = 32, 8
+  scale = d ** -0.5
+  x, meta = make_case(rng, d=d, seq_len=seq_len, num_s=12, dtype=BF)
+  thr = threshold_for(x, meta, scale, "kv")
+  args = args_of(x, thr)
+  got = [clustered_prefill_attention(*args, scale=scale, return_stats=True, backend=be, config=INT8_PREFILL)
+         for be in ("interpret", "reference")]
+  np.testing.assert_array_equal(np.asarray(got[0][1]), np.asarray(got[1][1]))
+  assert rel(got[0][0], got[1][0]) < 3e-2
+
+
+def test_prefill_validation(rng):
+  x, meta = make_case(rng, seq_len=4, num_s=4)
+  args = args_of(x, 0.01)
+  with pytest.raises(ValueError, match=r"q_valid must be bool \[T\] = \[4\]"):
+    clustered_prefill_attention(*args, scale=0.2, backend="interpret", q_valid=jnp.ones((5,), bool))
+  with pytest.raises(ValueError, match="capacity must be None or a positive int"):
+    clustered_prefill_attention(*args, scale=0.2, backend="interpret", capacity=0)
+  with pytest.raises(ValueError, match="new_part must be one of"):
+    clustered_prefill_attention(*args, scale=0.2, backend="interpret", new_part="bogus")
+
+
 # ----------------------------------------------------------------------------
 # Dispatch and validation.
 # ----------------------------------------------------------------------------
@@ -744,11 +843,11 @@ def test_score_blocks_auto(num_l, num_c, hkv, want):
 # ----------------------------------------------------------------------------
 # Hierarchical decode (level-2 logits handed to the attention kernel).
 # ----------------------------------------------------------------------------
-def _tree_case(rng, *, hq, hkv, dtype, num_c1=9, d=32):
+def _tree_case(rng, *, hq, hkv, dtype, num_c1=9, d=32, **case):
   """make_case's layout (its 37 clusters are the level-2 ones) under a random level-1 tree:
   parents at random (some -1: no parent), level-1 centroids the mean of their children's,
   level-1 counts the sum of theirs."""
-  x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
+  x, meta = make_case(rng, hq=hq, hkv=hkv, d=d, dtype=dtype, **case)
   counts = meta["counts"]
   num_c = counts.shape[1]
   c2 = np.nan_to_num(f64(x["cent"]))

@@ -242,6 +242,63 @@ def test_gather_live_rows_matches_reference(rng, dtype, d, hkv, hs, cap):
   assert not np.asarray(kr[:, cap:]).any()
 
 
+@pytest.mark.parametrize("splits,hs", [(2, 2), (4, 6)])
+def test_gather_live_rows_interleaved(rng, splits, hs):
+  """``splits``: live row j lands in chunk j % splits at slot j // splits (the kernel in interpret
+  mode == the reference), each chunk holds ceil((n - c) / splits) rows followed by a zeroed margin,
+  and the chunks together hold exactly the rows the plain gather puts first; an empty head, a
+  head with fewer rows than chunks, a full head."""
+  from pallas_kernels.sparse_attention import interleaved_rows
+  hkv, d, num_l, cap = 2, 16, 1500, 1200
+  k = jnp.asarray(rng.normal(size=(hkv, num_l, d)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(hkv, num_l, d)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, num_l, size=(hs, cap)), jnp.int32)
+  n = rng.integers(1, cap, size=hs)
+  n[0], n[1], n[-1] = 0, splits - 1, cap
+  n = jnp.asarray(n, jnp.int32)
+  ko, vo = gather_live_rows(k, v, idx, n, backend="interpret", splits=splits)
+  kr, vr = gather_live_rows_reference(k, v, idx, n, splits)
+  k1, _ = gather_live_rows_reference(k, v, idx, n)
+  cap_p = ko.shape[1]
+  chunk = cap_p // splits
+  assert cap_p % (GATHER_ROWS * splits) == 0 and cap_p >= cap and kr.shape == ko.shape
+  src, lens = map(np.asarray, interleaved_rows(n, cap_p, splits))
+  for s in range(hs):
+    for c in range(splits):
+      m = int(lens[s, c])
+      assert m == max(0, -(-(int(n[s]) - c) // splits))
+      part = slice(c * chunk, c * chunk + min(chunk, m + GATHER_ZERO))        # what the kernel writes
+      np.testing.assert_array_equal(np.asarray(ko[s, part]), np.asarray(kr[s, part]))
+      np.testing.assert_array_equal(np.asarray(vo[s, part]), np.asarray(vr[s, part]))
+      np.testing.assert_array_equal(np.asarray(kr[s, c * chunk:c * chunk + m]),
+                                    np.asarray(k1[s, c:int(n[s]):splits]))
+      assert not np.asarray(kr[s, c * chunk + m:(c + 1) * chunk]).any()
+  assert sorted(src.tolist()) == list(range(cap_p))                # each output row holds one live-row slot
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gather_then_dense_splits_keys_round_robin(rng, dtype):
+  """A capacity long enough for several flash key splits (8192 -> 4 here): the gathered rows are dealt
+  round-robin into the splits and each split's key length is its share; same result as the
+  reference for ragged counts, an empty head and a head with fewer rows than splits."""
+  from pallas_kernels.sparse_attention import flash_kv_splits
+  hq, hkv, hs, seq_len, d, num_l, cap, num_s = 4, 2, 2, 8, 16, 9000, 8192, 8
+  assert flash_kv_splits(hs, hq // hs * seq_len, cap) == 4
+  q = jnp.asarray(rng.normal(size=(hq, seq_len, d)), dtype)
+  k = jnp.asarray(rng.normal(size=(hkv, num_l, d)), dtype)
+  v = jnp.asarray(rng.normal(size=(hkv, num_l, d)), dtype)
+  idx = jnp.asarray(np.stack([rng.permutation(num_l)[:cap] for _ in range(hs)]), jnp.int32)
+  kn = jnp.asarray(rng.normal(size=(hkv, num_s, d)), dtype)
+  vn = jnp.asarray(rng.normal(size=(hkv, num_s, d)), dtype)
+  qp = jnp.asarray(num_l + np.arange(seq_len), jnp.int32)
+  for counts in ([5000, 3], [0, 8192]):
+    args = (q, k, v, idx, jnp.asarray(counts, jnp.int32), kn, vn, qp, qp)
+    ref = sparse_attention_reference(*args, scale=0.25)
+    out = gather_then_dense_attention(*args, scale=0.25, backend="interpret", compact=True)
+    tol = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=6e-2, atol=6e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+
+
 @pytest.mark.parametrize("hs", [2, 6])
 def test_clusters_to_indices(rng, hs):
   hkv, num_l, num_c = 2, 60, 7

@@ -106,9 +106,9 @@ def test_dense_decode_lowers(seq_len):
         sds((seq_len,), jnp.int32), sds((S,), jnp.int32))
 
 
-@pytest.mark.parametrize("hs", [HKV, HQ])
-def test_gather_live_rows_lowers(hs):
-  lower(lambda k, v, i, n: gather_live_rows(k, v, i, n, backend="pallas"),
+@pytest.mark.parametrize("hs,splits", [(HKV, 1), (HQ, 1), (HKV, 4)])
+def test_gather_live_rows_lowers(hs, splits):
+  lower(lambda k, v, i, n: gather_live_rows(k, v, i, n, backend="pallas", splits=splits),
         sds((HKV, L, D)), sds((HKV, L, D)), sds((hs, 700), jnp.int32), sds((hs,), jnp.int32))
 
 
