@@ -254,11 +254,12 @@ def _sweep(plan: Plan, i: int) -> tuple[tuple, tuple]:
 
 @functools.partial(jax.jit, static_argnames=("method", "backend", "lookup_only"))
 def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, lookup_only=False):
-    """A method's lookup alone (`lookup_only`), or its decode on its own Pallas kernels.
+    """A method's lookup alone (`lookup_only`), or its decode (or Squeezed's block prefill) on its own Pallas kernels.
 
     Squeezed: centroid-lookup kernel (Eq. 1) / fused clustered decode over `layout` (cluster-
     sorted K, V, offsets); hierarchical: the hierarchical lookup kernels (Eq. 2-3) / their
-    selection attended by the same clustered attention kernel. QUEST: page-score kernel + top-K pages / + page-sparse decode kernel.
+    selection attended by the same clustered attention kernel. A block (prefill): the lookup kernels,
+    then the selected clusters' rows of `layout` gathered and attended by cuDNN (`dispatch.clustered_prefill`). QUEST: page-score kernel + top-K pages / + page-sparse decode kernel.
     SAAP: nearest-centroid top-ℓ buckets (q taken as de-roped) / + bucket attention kernel.
     Arrays are arguments, never closure constants (those would be baked into the program).
     """
@@ -287,6 +288,10 @@ def _kernel_path(method, index, layout, q, k, v, kn, vn, qp, kp, *, backend, loo
             return squeezed.layer_scores(li, q, index.threshold1, scale, method.vote, int8=method.lookup_int8)[0]
         ks, vs, off = layout
         level1 = (li.centroids1, li.counts1, li.parent) if li.centroids1.shape[-2] else None
+        if q.shape[1] > 1:   # a block: the route FixedContext's question prefill takes on a GPU
+            t, t1 = index.thresholds(q.shape[1])
+            return dispatch.clustered_prefill(q, ks, vs, li.centroids, off, t, kn, vn, qp, kp, scale, method.vote,
+                                              level1=level1, threshold1=t1, int8=method.lookup_int8)
         return dispatch.clustered_decode(q, ks, vs, li.centroids, off, index.threshold, kn, vn, qp, kp, scale,
                                          method.vote, level1=level1, threshold1=index.threshold1)
 
@@ -378,7 +383,9 @@ def _method_row(row, plan, log, method, index, qs, ctx, layout=None, best_dense=
             if best_dense_steady:
                 row["speedup_vs_best_dense_steady"] = best_dense_steady / row["total_steady_ms"]
         fused_name = ("hierarchical lookup kernels + clustered attention kernel" if method.name == "hsqueezed"
-                      else "fused clustered decode kernel")
+                      else "fused clustered decode kernel") if t == 1 else (
+            ("hierarchical" if method.name == "hsqueezed" else "centroid") + " lookup kernels + the selected "
+            "clusters' rows gathered + cuDNN")
         row["path"] = _PATHS.get(method.name) or (fused_name if kernel else "lookup + retrieve + "
                                                   + ("sparse attention" if t == 1 else "gather + cuDNN"))
         o, rows_, meta_, over = lib(index, *sets[0])
@@ -570,7 +577,7 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
             for name in ("squeezed", "hsqueezed"):
                 if name in built and sp in built[name][1] and not late(phase, t, name, sp):
                     m, idx = built[name]
-                    fused = layouts.get(name) if t == 1 else None
+                    fused = layouts.get(name)
                     r = _method_row({**base, "method": name, "sparsity": sp, "hierarchical": name == "hsqueezed",
                                      "budget": f"sparsity {sp}, {2 if name == 'hsqueezed' else 1}-level",
                                      "C": int(idx[sp].layers.centroids.shape[2])},
@@ -585,8 +592,8 @@ def _length_rows(plan: Plan, src: KeySource, log, deadline: float, length: int, 
                 blocks = (decode_blocks(q_obs) if t == 1 else
                           [src.queries(t, seed=7_000_000 + 100 * t + j, n_heads=hq) for j in range(2)])
                 rows.append(_phase_calibrated_row(base, plan, log, name, built[name], sp, blocks, qs, ctx,
-                                                  layouts.get(name) if t == 1 else None, best, best_loop, best_unr,
-                                                  best_kern, best_steady))
+                                                  layouts.get(name), best, best_loop, best_unr, best_kern,
+                                                  best_steady))
             if t != 1 or frac is None:  # QUEST and SAAP: decode, at the budget Squeezed kept at this sparsity
                 continue
             for name in ("quest", "saap"):

@@ -209,6 +209,34 @@ def clustered_decode_batched(q, k_sorted, v_sorted, centroids, offsets, threshol
     return o[:, :, None]
 
 
+def clustered_prefill(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
+                      scale: float, vote: str, level1=None, threshold1=0.0, q_valid=None, int8: bool = False,
+                      new_part: str = "causal"):
+    """A block's Squeezed attention over the cluster-contiguous layout, or None off the Pallas backends.
+
+    q [Hq, T, d] (S averaged over the tokens q_valid [T] marks); one level, or hierarchical with
+    `level1` = (centroids1, counts1, parent) and `threshold1` as in `clustered_decode`. The lookup
+    kernels select clusters; their row ranges (contiguous in the layout), the exact part and the new
+    keys are attended exactly: every selected row, no capacity, no score sort (the generic
+    `Method.select` route sorts the clusters by score for its capacity's overflow policy).
+    """
+    b = resolved()
+    if b == "reference":
+        return None
+    from pallas_kernels import clustered_prefill_attention, clustered_prefill_hierarchical
+
+    dt = k_sorted.dtype  # the index stores centroids in the keys' dtype; no-op then
+    f32 = jnp.float32
+    kw = dict(scale=scale, vote=vote, backend=b, config=_prefill_config(int8), q_valid=q_valid, new_part=new_part)
+    if level1 is None:
+        return clustered_prefill_attention(q, k_sorted, v_sorted, centroids.astype(dt), offsets,
+                                           jnp.asarray(threshold, f32), k_new, v_new, q_pos, kv_pos, **kw)
+    c1, n1, parent = level1
+    return clustered_prefill_hierarchical(q, k_sorted, v_sorted, c1.astype(dt), n1, centroids.astype(dt), offsets,
+                                          parent, jnp.asarray(threshold1, f32), jnp.asarray(threshold, f32), k_new,
+                                          v_new, q_pos, kv_pos, **kw)
+
+
 def clustered_decode(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos,
                      scale: float, vote: str, level1=None, threshold1=0.0):
     """One-token Squeezed attention over the cluster-contiguous layout (fused kernels), or None.

@@ -77,6 +77,16 @@ class SparseAttentionHook:
                 if o is not None:
                     return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks
+            if "clustered" in state and qh.shape[1] > 1 and layer >= self.method.dense_layers:
+                # a block (a question): the lookup kernels, then every selected cluster's contiguous rows
+                ks, vs, off, cent = state["clustered"][layer]
+                level1 = state["level1"][layer] if "level1" in state else None
+                t, t1 = state["index"].thresholds(qh.shape[1])
+                o = dispatch.clustered_prefill(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale, self.method.vote,
+                                               level1=level1, threshold1=t1, q_valid=q_valid,
+                                               int8=self.method.lookup_int8, new_part="causal_left_padded")
+                if o is not None:
+                    return jnp.swapaxes(o, 0, 1)
             sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=q_valid)
             # question blocks are left-padded (to a multiple of _BUCKET)
             o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale, new_part="causal_left_padded")
@@ -194,7 +204,8 @@ class AnswerStats:
     kv_budget_per_layer: list  # decode mean, per layer
     bytes_moved_per_token: float
     bytes_dense_per_token: float
-    overflow: bool             # a squeezed capacity overflowed (clusters dropped, see squeezed.py)
+    overflow: bool             # a squeezed capacity overflowed (clusters dropped, see squeezed.py; on a GPU the
+                               # cluster-contiguous routes read every selected row instead: the counts are then low)
     time_to_first_token_s: float
     time_per_output_token_s: float
 

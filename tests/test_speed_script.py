@@ -96,6 +96,28 @@ def test_time_ms_looped_folds():
         looped_program(lambda q: q, 3, n_iter=5, fold="mean")
 
 
+def test_speed_prefill_rows_take_the_clustered_route(tmp_path):
+    """The Squeezed prefill rows time the route FixedContext's question prefill takes on a GPU (the
+    lookup kernels, then the selected clusters' rows of the cluster-contiguous copy), checked against
+    the library route (`Method.select` -> `dispatch.attention`), which the row times too."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="65536")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--cpu-smoke", "--only-kernels", "--phases",
+                        "prefill", "--shapes", "4x2", "--sparsities", "0.9", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "constants were captured" not in r.stderr
+    rows = [x for x in json.loads((tmp_path / "speed.json").read_text())["kernels"] if "method" in x]
+    assert {x["method"] for x in rows} == {"squeezed", "hsqueezed"} and {x["phase"] for x in rows} == {"prefill_32"}
+    for x in rows:
+        assert "error" not in x, x.get("error")
+        assert "lookup kernels + the selected clusters' rows gathered + cuDNN" in x["path"]
+        assert x["total_ms"] > 0 and x["generic_total_ms"] > 0 and x["total_loop_ms"] > 0
+        # bf16 outputs of the same selection; where the library's capacity overflowed it dropped clusters
+        # that the clustered route (no capacity) attends, so only the rows without overflow must agree
+        assert x["rel_diff_vs_library"] < 2e-2 or x["overflow_heads"] > 0
+    assert any(x["overflow_heads"] == 0 for x in rows)
+
+
 def test_speed_end_to_end_cpu_smoke(tmp_path):
     """The end-to-end section: synced and pipelined decode of every variant, speed-ups, the table."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -406,6 +406,40 @@ def test_fused_clustered_decode_path_equals_reference(model, hierarchical):
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["one_level", "hierarchical"])
+def test_clustered_prefill_path_equals_reference(model, hierarchical, monkeypatch):
+    """The GPU prefill path of a question block (the lookup kernels, then every selected cluster's
+    contiguous rows of the cluster-contiguous copy, run here in the interpreter) gives the
+    reference logits at every real position of a batch of two left-padded questions (the capacity
+    holds every row, so the reference drops none either)."""
+    from models.forward import forward_new_cache_jit
+    from sqjax.fixed_context import _left_pad, _tokens_positions, attention_state
+    from sqjax.methods import HierarchicalSqueezed
+
+    from sqjax import dispatch
+
+    make = HierarchicalSqueezed if hierarchical else Squeezed
+    ctx = FixedContext.build(model, DOC, make(sparsity=0.8, n_sink=1, capacity_fraction=1.0), chat=False)
+    taken = []
+    route = dispatch.clustered_prefill
+    monkeypatch.setattr(dispatch, "clustered_prefill", lambda *a, **kw: taken.append(kw["level1"] is not None)
+                        or route(*a, **kw))
+    padded = _left_pad([[321, 45, 9, 1000, 77, 5, 6], [12, 13, 14]])              # [2, 16], -1 = padding
+    tokens, positions = _tokens_positions(padded, ctx.n_tokens)
+    states = {"reference": ctx._state,
+              "interpret": attention_state(ctx.kv.k, ctx.kv.v, ctx.index, clustered_layout=True)}
+    logits = {}
+    for backend, state in states.items():
+        hook = dataclasses.replace(ctx._hook, backend=backend)
+        lg, _, _ = forward_new_cache_jit(model.graphdef, model.state, tokens, positions, config=model.config, batch=2,
+                                         capacity=32, dtype=jnp.dtype(model.dtype), attn_fn=hook, attn_state=state,
+                                         capture_last=False, logits="all")
+        logits[backend] = np.asarray(lg)[np.asarray(positions) >= 0]
+    assert taken and set(taken) == {hierarchical}           # the route ran (traced once per layer and row)
+    assert np.isfinite(logits["interpret"]).all()
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
 def test_full_attention_gpu_path_equals_reference(model):
     """Full attention's GPU path (the split-KV dense Pallas kernel, here interpreted) gives the
     reference logits for a question's prefill block and for a decode step."""
