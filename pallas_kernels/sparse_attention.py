@@ -232,8 +232,9 @@ def _compact(idx, counts, num_l):
   return out, jnp.sum(valid, axis=1).astype(jnp.int32)
 
 
-GATHER_ROWS = 128   # K/V rows per program of the live-row gather
+GATHER_ROWS = 128   # K/V rows per block of the live-row gather
 GATHER_ZERO = 256   # rows past each head's count that the gather zeroes (>= cuDNN's key tile)
+GATHER_PROGRAMS = 1024   # gather programs in all (at most): each loops over its head's written blocks
 
 
 def _gather_kernel(n_ref,    # [Hs] int32 live rows per selection head
@@ -242,28 +243,39 @@ def _gather_kernel(n_ref,    # [Hs] int32 live rows per selection head
                    v_ref,    # [Hkv * L, d]
                    ko_ref,   # out [Hs * cap_p, d]
                    vo_ref,   # out [Hs * cap_p, d]
-                   *, num_l, cap, cap_p, d, dp, per_kv, splits):
+                   *, num_l, cap, cap_p, d, dp, per_kv, splits, programs):
+  """Program (s, i) writes blocks i, i + programs, ... of head s's written rows: in each of the
+  ``splits`` chunks of ``cap_p // splits`` output rows, the chunk's live rows (live row j sits in
+  chunk j % splits at slot j // splits) and a zeroed margin.  Blocks past them are not visited: the
+  time goes with the rows kept, not with the buffer."""
   s = pl.program_id(0)
-  p = pl.program_id(1) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=jnp.int32)   # output rows < cap_p
+  i = pl.program_id(1)
   n = n_ref[s]
-  if splits == 1:
-    j, r, per = p, p, n                         # output row p holds live row p
-  else:                                         # chunk c = p // chunk holds live rows c, c + splits, ...
-    chunk = cap_p // splits
-    r = cm.krem(p, chunk)
-    j = r * splits + cm.kdiv(p, chunk)
-    per = cm.kcdiv(n, splits)                   # the longest chunk's live rows
-  live = j < n
-  write = r < per + GATHER_ZERO                 # live rows + a zeroed margin per chunk; the rest untouched
-  pos = cm.gather_vec(idx_ref, s * cap + j, live)
-  # clipped: in bounds whatever a caller's promise of compact rows holds
-  rows = jnp.where(live, lax.div(s, jnp.int32(per_kv)) * num_l + jnp.clip(pos, 0, num_l - 1), 0)
+  chunk = cap_p // splits
+  per = cm.kcdiv(n, splits)                                       # the longest chunk's live rows
+  nb = cm.kcdiv(jnp.minimum(per + GATHER_ZERO, chunk), GATHER_ROWS)   # blocks written per chunk
+  kv_base = lax.div(s, jnp.int32(per_kv)) * num_l
   cols = jnp.arange(dp, dtype=jnp.int32)
   dmask = (cols < d)[None, :]
-  out_rows = s * cap_p + p                      # distinct and in bounds, written or not
-  for src, dst in ((k_ref, ko_ref), (v_ref, vo_ref)):
-    tile = plgpu.load(src.at[rows[:, None], cols[None, :]], mask=live[:, None] & dmask, other=0)
-    plgpu.store(dst.at[out_rows[:, None], cols[None, :]], tile, mask=write[:, None] & dmask)
+
+  def block(it, carry):
+    q = i + it * programs
+    c, b = cm.kdiv(q, nb), cm.krem(q, nb)
+    r = b * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=jnp.int32)   # slots in the chunk (< chunk)
+    j = r * splits + c                                            # the live row each slot holds
+    live = j < n
+    write = r < per + GATHER_ZERO
+    pos = cm.gather_vec(idx_ref, s * cap + j, live)
+    # clipped: in bounds whatever a caller's promise of compact rows holds
+    rows = jnp.where(live, kv_base + jnp.clip(pos, 0, num_l - 1), 0)
+    out_rows = s * cap_p + c * chunk + r                          # distinct and in bounds
+    for src, dst in ((k_ref, ko_ref), (v_ref, vo_ref)):
+      tile = plgpu.load(src.at[rows[:, None], cols[None, :]], mask=live[:, None] & dmask, other=0)
+      plgpu.store(dst.at[out_rows[:, None], cols[None, :]], tile, mask=write[:, None] & dmask)
+    return carry
+
+  total = nb * splits
+  lax.fori_loop(jnp.int32(0), cm.kcdiv(jnp.maximum(total - i, 0), programs), block, jnp.int32(0))
 
 
 def _gather_capacity(cap: int, splits: int = 1) -> int:
@@ -319,11 +331,12 @@ def gather_live_rows(k, v, idx, n, *, backend: str, splits: int = 1):
   hkv, num_l, d = k.shape
   hs, cap = idx.shape
   cap_p = _gather_capacity(cap, splits)
+  programs = max(1, min(cap_p // GATHER_ROWS, GATHER_PROGRAMS // hs))
   kern = functools.partial(_gather_kernel, num_l=num_l, cap=cap, cap_p=cap_p, d=d,
-                           dp=cm.padded_head_dim(d), per_kv=hs // hkv, splits=splits)
+                           dp=cm.padded_head_dim(d), per_kv=hs // hkv, splits=splits, programs=programs)
   shape = jax.ShapeDtypeStruct((hs * cap_p, d), k.dtype)
   ko, vo = pallas_call(kern, backend=be, num_warps=4, num_stages=1,
-                       grid=(hs, cap_p // GATHER_ROWS), out_shape=[shape, shape],
+                       grid=(hs, programs), out_shape=[shape, shape],
                        name="gather_live_rows")(
       n.astype(jnp.int32), idx.reshape(-1), k.reshape(hkv * num_l, d), v.reshape(hkv * num_l, d))
   return ko.reshape(hs, cap_p, d), vo.reshape(hs, cap_p, d)

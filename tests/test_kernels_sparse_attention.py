@@ -242,13 +242,19 @@ def test_gather_live_rows_matches_reference(rng, dtype, d, hkv, hs, cap):
   assert not np.asarray(kr[:, cap:]).any()
 
 
-@pytest.mark.parametrize("splits,hs", [(2, 2), (4, 6)])
-def test_gather_live_rows_interleaved(rng, splits, hs):
+@pytest.mark.parametrize("splits,hs,few_programs", [(2, 2, False), (4, 6, True), (1, 2, True)])
+def test_gather_live_rows_interleaved(rng, monkeypatch, splits, hs, few_programs):
   """``splits``: live row j lands in chunk j % splits at slot j // splits (the kernel in interpret
   mode == the reference), each chunk holds ceil((n - c) / splits) rows followed by a zeroed margin,
   and the chunks together hold exactly the rows the plain gather puts first; an empty head, a
-  head with fewer rows than chunks, a full head."""
+  head with fewer rows than chunks, a full head; ``few_programs``: each program loops over
+  several blocks."""
+  import importlib
+
   from pallas_kernels.sparse_attention import interleaved_rows
+  sa = importlib.import_module("pallas_kernels.sparse_attention")   # the package exports a function of that name
+  if few_programs:
+    monkeypatch.setattr(sa, "GATHER_PROGRAMS", 2 * hs)
   hkv, d, num_l, cap = 2, 16, 1500, 1200
   k = jnp.asarray(rng.normal(size=(hkv, num_l, d)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(hkv, num_l, d)), jnp.float32)
