@@ -77,7 +77,9 @@ from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_la
                                                 clustered_decode_selected,
                                                 clustered_decode_selected_reference,
                                                 clustered_prefill_attention,
-                                                clustered_prefill_attention_reference)
+                                                clustered_prefill_attention_reference,
+                                                clustered_prefill_hierarchical,
+                                                clustered_prefill_hierarchical_reference)
 
 BF16 = jnp.bfloat16
 
@@ -307,18 +309,23 @@ def run_checks(plan: Plan, log) -> list[dict]:
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"lse_err": rel_err(lse, rlse)}
 
-  def gather_case(hs):
-    """The live-row gather: bit-exact copies of the reference's rows up to count + GATHER_ZERO."""
+  def gather_case(hs, splits=1):
+    """The live-row gather: bit-exact copies of the reference's rows up to count + GATHER_ZERO (in
+    each of ``splits`` round-robin chunks)."""
+    from pallas_kernels.sparse_attention import interleaved_rows
     x = _check_inputs(rng, hq, hkv, d, num_l, num_c, 1, num_s, cap, hs, poison=False)
     comp, n = _compact(x["idx"], x["counts"], num_l)
-    ko, vo = gather_live_rows(x["k"], x["v"], comp, n, backend=be)
-    kr, vr = gather_live_rows_reference(x["k"], x["v"], comp, n)
-    upto = np.minimum(np.asarray(n) + GATHER_ZERO, ko.shape[1])
+    ko, vo = gather_live_rows(x["k"], x["v"], comp, n, backend=be, splits=splits)
+    kr, vr = gather_live_rows_reference(x["k"], x["v"], comp, n, splits)
+    chunk = ko.shape[1] // splits
+    lens = np.asarray(interleaved_rows(n, ko.shape[1], splits)[1])
     err = 0.0
     for a, b in ((ko, kr), (vo, vr)):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       for s_ in range(hs):
-        err = max(err, float(np.abs(a[s_, :upto[s_]] - b[s_, :upto[s_]]).max(initial=0.0)))
+        for c in range(splits):
+          part = slice(c * chunk, c * chunk + min(chunk, int(lens[s_, c]) + GATHER_ZERO))
+          err = max(err, float(np.abs(a[s_, part] - b[s_, part]).max(initial=0.0)))
     return err, {"rows_live": int(np.asarray(n).sum()), "cap_p": int(ko.shape[1])}
 
   def hier_case(vote, prefill, parent_major, config=None, pad=None):
@@ -412,6 +419,7 @@ def run_checks(plan: Plan, log) -> list[dict]:
   check("gather_then_dense prefill Hs=Hkv, the block's own keys (causal mask)", lambda: attn_case(
       seq_len, hkv, True, fn=gather_then_dense_attention, causal_new=True), 3e-2)
   check("gather_live_rows Hs=Hq (exact copy)", lambda: gather_case(hq), 0.0)
+  check("gather_live_rows Hs=Hkv, 4 round-robin splits (exact copy)", lambda: gather_case(hkv, 4), 0.0)
   if plan.checks == "full":
     check("centroid_lookup_prefill vote=q", lambda: lookup_case("q", True), tl)
     check("centroid_lookup_decode vote=q", lambda: lookup_case("q", False), tl)
@@ -485,7 +493,7 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
   b = lambda x: jnp.asarray(x, BF16)
   i32 = lambda x: jnp.asarray(x, jnp.int32)
 
-  def inputs(vote, prefill, poison=True):
+  def inputs(vote, prefill, poison=True, q_valid=None):
     k = rng.normal(size=(hkv, num_l, d))
     v = rng.normal(size=(hkv, num_l, d))
     lab = np.asarray(synth_labels(jax.random.PRNGKey(int(rng.integers(1 << 30))), hkv,
@@ -504,8 +512,10 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     kn[:, kvp < 0] = np.nan                                     # padding slots: never read
     vn[:, kvp < 0] = np.nan
     qp = num_l + max(num_s - t, 0) + np.arange(t)
+    if q_valid is not None:                                     # a left-padded block: padding at position -1
+      qp = np.where(np.asarray(q_valid), qp, -1)
     _, sc = centroid_lookup_reference(q if prefill else q[:, 0], b(cent), i32(cnt), 0.0,
-                                      scale=scale, vote=vote)
+                                      scale=scale, vote=vote, q_valid=q_valid)
     g_s = sc.shape[0] // hkv
     thr = gap_threshold(sc, np.repeat(cnt > 0, g_s, axis=0))
     args = [q if prefill else q[:, 0], ks, vs, b(cent), offs, jnp.float32(thr), b(kn), b(vn),
@@ -525,14 +535,17 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     args[2] = jnp.where(jnp.asarray(used)[..., None], vs, jnp.nan).astype(BF16)
     return args
 
-  def case(vote, prefill):
-    args = inputs(vote, prefill)
+  def case(vote, prefill, padded=False):
+    """``padded``: a left-padded block (the question route: q_valid, no capacity, the causal square
+    rolled past the padding)."""
+    qv = jnp.arange(seq_len) >= 3 if padded else None
+    args = inputs(vote, prefill, q_valid=qv)
     if prefill:
-      out, sel, rows = clustered_prefill_attention(*args, scale=scale, vote=vote,
-                                                   capacity=num_l // 2, return_stats=True,
-                                                   backend=be)
+      kw = dict(capacity=None, q_valid=qv, new_part="causal_left_padded") if padded else dict(capacity=num_l // 2)
+      out, sel, rows = clustered_prefill_attention(*args, scale=scale, vote=vote, return_stats=True, backend=be,
+                                                   **kw)
       ref, rsel, rrows = clustered_prefill_attention_reference(*args, scale=scale, vote=vote,
-                                                               return_stats=True)
+                                                               return_stats=True, q_valid=qv)
     else:
       out, sel, rows = clustered_decode_attention(*args, scale=scale, vote=vote,
                                                   return_stats=True, backend=be)
@@ -557,13 +570,14 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"nan": nan}
 
-  def hier_decode_case(vote):
-    """Hierarchical decode (level-2 logits handed to the attention kernel) vs the reference
+  def hier_decode_case(vote, prefill=False):
+    """Hierarchical decode (level-2 logits handed to the attention kernel; ``prefill``: a block's
+    hierarchical lookup kernels, then the gather + cuDNN route) vs the reference
     (hierarchical lookup, then attention over its selection): a random level-1 tree over the
     layout's clusters, T1 / T2 in gaps of the reference scores, the rows the hierarchical selection
     leaves out poisoned (in clean K/V: the 1-level poisoning of ``inputs`` would also hide rows
     that only the hierarchy selects)."""
-    args = inputs(vote, False, poison=False)
+    args = inputs(vote, prefill, poison=False)
     q, offs = args[0], args[4]
     cnt = np.diff(np.asarray(offs), axis=1)
     c2 = b(np.nan_to_num(np.asarray(args[3], np.float32)))
@@ -590,8 +604,12 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
     ks = jnp.where(jnp.asarray(used)[..., None], args[1], jnp.nan).astype(BF16)
     vs = jnp.where(jnp.asarray(used)[..., None], args[2], jnp.nan).astype(BF16)
     hargs = (q, ks, vs, b(c1), i32(n1), c2, offs, i32(parent), jnp.float32(t1), jnp.float32(t2), *args[6:])
-    out = clustered_decode_hierarchical(*hargs, scale=scale, vote=vote, backend=be)
-    ref = clustered_decode_hierarchical_reference(*hargs, scale=scale, vote=vote)
+    if prefill:
+      out = clustered_prefill_hierarchical(*hargs, scale=scale, vote=vote, backend=be)
+      ref = clustered_prefill_hierarchical_reference(*hargs, scale=scale, vote=vote)
+    else:
+      out = clustered_decode_hierarchical(*hargs, scale=scale, vote=vote, backend=be)
+      ref = clustered_decode_hierarchical_reference(*hargs, scale=scale, vote=vote)
     nan = bool(np.isnan(np.asarray(out, np.float32)).any())
     return (float("inf") if nan else rel_err(out, ref)), {"nan": nan, "selected": int(sel.sum()),
                                                           "candidates": int(np.asarray(cand).sum())}
@@ -601,7 +619,9 @@ def run_clustered_checks(plan: Plan, log) -> list[dict]:
   check("clustered_decode vote=kv poisoned", lambda: case("kv", False), 2e-2)
   check("clustered_decode_hierarchical vote=kv poisoned", lambda: hier_decode_case("kv"), 2e-2)
   check("clustered_prefill vote=kv poisoned", lambda: case("kv", True), 3e-2)
-  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the three above
+  check("clustered_prefill vote=kv left-padded, no capacity", lambda: case("kv", True, padded=True), 3e-2)
+  check("clustered_prefill_hierarchical vote=kv poisoned", lambda: hier_decode_case("kv", prefill=True), 3e-2)
+  if plan.check_scale == "gpu":          # tiny (CPU test of the plumbing): the five above
     check("clustered_decode vote=q poisoned", lambda: case("q", False), 2e-2)
     check("clustered_decode_hierarchical vote=q poisoned", lambda: hier_decode_case("q"), 2e-2)
     check("clustered_decode_selected vote=kv poisoned", lambda: selected_case("kv"), 2e-2)

@@ -13,7 +13,7 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path, capsys):
   for key in ("device", "jax_version", "git_commit", "dtype", "cases", "checks", "copy_bandwidth"):
     assert key in res
   # --cpu-smoke runs every kind of check of the GPU run (hierarchical, QUEST, SAAP too).
-  assert len(res["checks"]) == 19
+  assert len(res["checks"]) == 20
   assert all(c["status"] == "PASS" for c in res["checks"])
   assert {c["phase"] for c in res["cases"]} == {"decode", "prefill_16"}
   for c in res["cases"]:
