@@ -1332,10 +1332,7 @@ def clustered_prefill_attention(
   """
   _validate(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos,
             kv_pos_new, 3, vote)
-  cm.check_token_valid(q_valid, q.shape[1])
-  scale = cm.check_scale(scale)
-  be = resolve_backend(backend)
-  _check_prefill_options(capacity, new_part)
+  scale, be = _prefill_options(q, q_valid, scale, backend, capacity, new_part)
   if be == "reference" and (config is None or config.prefill_int8 is None):
     return clustered_prefill_attention_reference(
         q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new, q_pos, kv_pos_new,
@@ -1379,10 +1376,7 @@ def clustered_prefill_hierarchical(
   ``config``, ``new_part`` and ``return_stats`` as there)."""
   _validate(q, k_sorted, v_sorted, centroids2, offsets, threshold2, k_new, v_new, q_pos, kv_pos_new, 3, vote)
   _validate_level1(q[:, 0], centroids1, counts1, centroids2, offsets, parent, threshold1, vote)
-  cm.check_token_valid(q_valid, q.shape[1])
-  scale = cm.check_scale(scale)
-  be = resolve_backend(backend)
-  _check_prefill_options(capacity, new_part)
+  scale, be = _prefill_options(q, q_valid, scale, backend, capacity, new_part)
   if be == "reference" and (config is None or config.prefill_int8 is None):
     return clustered_prefill_hierarchical_reference(
         q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets, parent, threshold1, threshold2, k_new,
@@ -1394,11 +1388,14 @@ def clustered_prefill_hierarchical(
                            be=be, capacity=capacity, new_part=new_part, return_stats=return_stats)
 
 
-def _check_prefill_options(capacity, new_part):
+def _prefill_options(q, q_valid, scale, backend, capacity, new_part):
+  """The block prefills' shared checks -> (scale, resolved backend)."""
+  cm.check_token_valid(q_valid, q.shape[1])
   if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
     raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
   if new_part not in NEW_PART_MODES:
     raise ValueError(f"new_part must be one of {NEW_PART_MODES}, got {new_part!r}")
+  return cm.check_scale(scale), resolve_backend(backend)
 
 
 def _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale, be, capacity,

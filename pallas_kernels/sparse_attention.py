@@ -525,7 +525,8 @@ def _flash_fixed(qs, ks, vs, n, *, scale, splits, implementation, interleaved=Fa
   ``n[s]`` keys of head s, all if n is None), the keys cut into ``splits`` contiguous chunks (a
   free reshape: chunks become batch entries, qs is repeated for each) whose partial results are
   merged by log-sum-exp.  ``interleaved``: the n keys were dealt round-robin into the chunks
-  (``gather_live_rows(..., splits=splits)``), so chunk c holds its first ``ceil((n - c) / splits)``.  -> (o [Hs, R, d], lse [Hs, R] f32, -inf where a head has no key)."""
+  (``gather_live_rows(..., splits=splits)``), so chunk c holds its first ``ceil((n - c) / splits)``.
+  -> (o [Hs, R, d], lse [Hs, R] f32, -inf where a head has no key)."""
   hs, rows, _, d = qs.shape
   lk = ks.shape[1]
   chunk = lk // splits

@@ -67,24 +67,20 @@ class SparseAttentionHook:
         def one(qb, qpre_b, ckb, cvb, qpb, kpb):
             qh = jnp.swapaxes(qb, 0, 1)  # [Hq, T, d]
             qpre_h = None if qpre_b is None else jnp.swapaxes(qpre_b, 0, 1)
-            if "clustered" in state and qh.shape[1] == 1 and layer >= self.method.dense_layers:
-                ks, vs, off, cent = state["clustered"][layer]
-                index = state["index"]
-                level1 = state["level1"][layer] if "level1" in state else None  # hierarchical index
-                t, t1 = index.thresholds(1)
-                o = dispatch.clustered_decode(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale,
-                                              self.method.vote, level1=level1, threshold1=t1)
-                if o is not None:
-                    return jnp.swapaxes(o, 0, 1)
             q_valid = None if qh.shape[1] == 1 else qpb >= 0  # padding only exists in blocks
-            if "clustered" in state and qh.shape[1] > 1 and layer >= self.method.dense_layers:
-                # a block (a question): the lookup kernels, then every selected cluster's contiguous rows
+            if "clustered" in state and layer >= self.method.dense_layers:
+                # the cluster-contiguous copy (GPU): a decode step through the fused kernels, a block (a
+                # question) through the lookup kernels and every selected cluster's contiguous rows
                 ks, vs, off, cent = state["clustered"][layer]
-                level1 = state["level1"][layer] if "level1" in state else None
+                level1 = state["level1"][layer] if "level1" in state else None  # hierarchical index
                 t, t1 = state["index"].thresholds(qh.shape[1])
-                o = dispatch.clustered_prefill(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale, self.method.vote,
-                                               level1=level1, threshold1=t1, q_valid=q_valid,
-                                               int8=self.method.lookup_int8, new_part="causal_left_padded")
+                if qh.shape[1] == 1:
+                    o = dispatch.clustered_decode(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale,
+                                                  self.method.vote, level1=level1, threshold1=t1)
+                else:
+                    o = dispatch.clustered_prefill(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale,
+                                                   self.method.vote, level1=level1, threshold1=t1, q_valid=q_valid,
+                                                   int8=self.method.lookup_int8, new_part="causal_left_padded")
                 if o is not None:
                     return jnp.swapaxes(o, 0, 1)
             sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=q_valid)
