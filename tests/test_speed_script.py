@@ -18,14 +18,20 @@ from benchmarks.speed import _ASK_TIMED_CALLS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_speed_decode_rows_cpu_smoke(tmp_path):
+def _kernel_rows_smoke(tmp_path, phase: str) -> dict:
+    """`benchmarks.speed --cpu-smoke` for one phase's kernel rows (4/2 heads, 90%) -> its JSON; it must
+    capture no big array as a compile-time constant."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="65536")
     r = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--cpu-smoke", "--only-kernels", "--phases",
-                        "decode", "--shapes", "4x2", "--sparsities", "0.9", "--out", str(tmp_path)],
+                        phase, "--shapes", "4x2", "--sparsities", "0.9", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "constants were captured" not in r.stderr
-    res = json.loads((tmp_path / "speed.json").read_text())
+    return json.loads((tmp_path / "speed.json").read_text())
+
+
+def test_speed_decode_rows_cpu_smoke(tmp_path):
+    res = _kernel_rows_smoke(tmp_path, "decode")
     for key in ("meta", "plan", "kernels"):
         assert key in res
     for k in ("device", "jax", "git_commit"):
@@ -100,13 +106,7 @@ def test_speed_prefill_rows_take_the_clustered_route(tmp_path):
     """The Squeezed prefill rows time the route FixedContext's question prefill takes on a GPU (the
     lookup kernels, then the selected clusters' rows of the cluster-contiguous copy), checked against
     the library route (`Method.select` -> `dispatch.attention`), which the row times too."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="65536")
-    r = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--cpu-smoke", "--only-kernels", "--phases",
-                        "prefill", "--shapes", "4x2", "--sparsities", "0.9", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "constants were captured" not in r.stderr
-    rows = [x for x in json.loads((tmp_path / "speed.json").read_text())["kernels"] if "method" in x]
+    rows = [x for x in _kernel_rows_smoke(tmp_path, "prefill")["kernels"] if "method" in x]
     assert {x["method"] for x in rows} == {"squeezed", "hsqueezed"} and {x["phase"] for x in rows} == {"prefill_32"}
     for x in rows:
         assert "error" not in x, x.get("error")
