@@ -804,9 +804,8 @@ def clustered_prefill_hierarchical_reference(q, k_sorted, v_sorted, centroids1, 
   num_l = k_sorted.shape[1]
   sel, _, _ = hierarchical_lookup_reference(q, centroids1, counts1, centroids2, _counts(offsets, num_l), parent,
                                             threshold1, threshold2, scale=scale, vote=vote, q_valid=q_valid)
-  o, _ = _attend_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
-  o = o.astype(q.dtype)
-  return (o, sel, _rows_of_selection(sel, offsets, num_l)) if return_stats else o
+  return _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale,
+                           be="reference", return_stats=return_stats)
 
 
 # ----------------------------------------------------------------------------
@@ -1269,10 +1268,11 @@ def _expand_positions(sel, offsets, num_l, cap):
   return pos.astype(jnp.int32), n, wanted
 
 
-def _prefill_attend(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale, be, capacity,
-                    new_part):
-  """Exact attention of a block over the selected clusters' row ranges + the exact part + the new
-  part (``be``: a Pallas backend).  -> (o [Hq, T, d] in q's dtype, rows [Hs] wanted)."""
+def _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale, be,
+                      capacity=None, new_part="causal", return_stats=False):
+  """Exact attention of a block over the selected clusters' row ranges sel [Hs, C] + the exact part
+  + the new part: the Pallas route, or under ``be="reference"`` the plain-jnp attention.
+  -> o [Hq, T, d] in q's dtype (, sel, rows [Hs] wanted with ``return_stats``)."""
   num_l = k_sorted.shape[1]
   cap = num_l if capacity is None else min(capacity, num_l)
   # cuDNN takes bf16/f16 only: f32 goes through the in-kernel gather (same on "interpret",
@@ -1288,9 +1288,14 @@ def _prefill_attend(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv
                             scale=scale, backend=be)
 
   rows = _rows_of_selection(sel, offsets, num_l)
-  if cap >= num_l:
-    return attend(num_l), rows
-  return lax.cond(jnp.any(rows > cap), lambda: attend(num_l), lambda: attend(cap)), rows
+  if be == "reference":
+    out = _attend_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)[0]
+    out = out.astype(q.dtype)
+  elif cap >= num_l:
+    out = attend(num_l)
+  else:
+    out = lax.cond(jnp.any(rows > cap), lambda: attend(num_l), lambda: attend(cap))
+  return (out, sel, rows) if return_stats else out
 
 
 _PREFILL_STATIC = ("scale", "vote", "capacity", "return_stats", "backend", "config", "new_part")
@@ -1396,19 +1401,6 @@ def _prefill_options(q, q_valid, scale, backend, capacity, new_part):
   if new_part not in NEW_PART_MODES:
     raise ValueError(f"new_part must be one of {NEW_PART_MODES}, got {new_part!r}")
   return cm.check_scale(scale), resolve_backend(backend)
-
-
-def _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, scale, be, capacity,
-                      new_part, return_stats):
-  """A block's attention over a selection ``sel`` [Hs, C] made by one of the lookups: the Pallas
-  route, or (an int8 selection under ``backend="reference"``) the plain-jnp attention."""
-  if be == "reference":
-    o, _ = _attend_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale)
-    out, rows = o.astype(q.dtype), _rows_of_selection(sel, offsets, k_sorted.shape[1])
-  else:
-    out, rows = _prefill_attend(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, kv_pos_new, scale=scale,
-                                be=be, capacity=capacity, new_part=new_part)
-  return (out, sel, rows) if return_stats else out
 
 
 # ----------------------------------------------------------------------------
