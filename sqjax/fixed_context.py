@@ -200,8 +200,8 @@ class AnswerStats:
     kv_budget_per_layer: list  # decode mean, per layer
     bytes_moved_per_token: float
     bytes_dense_per_token: float
-    overflow: bool             # a squeezed capacity overflowed (clusters dropped, see squeezed.py; on a GPU the
-                               # cluster-contiguous routes read every selected row instead: the counts are then low)
+    overflow: bool             # a squeezed capacity overflowed (clusters dropped, see squeezed.py; never on a GPU:
+                               # the cluster-contiguous routes read every selected row, and count them so)
     time_to_first_token_s: float
     time_per_output_token_s: float
 
@@ -371,7 +371,7 @@ class FixedContext:
         part. Returns one Selection per layer whose kv_rows and meta_rows are [Hs, n_valid * T']
         (one column per lookup token: T' = 1 for a block-level selection).
         """
-        rows, meta, over = _lookup_stats_jit(self.method, self.index, self._state["k"], q, q_pre, q_valid)
+        rows, meta, over = _lookup_stats_jit(self.method, self._accounted_index(), self._state["k"], q, q_pre, q_valid)
         # per-token methods have a column per query token (Ts = T): padding tokens' lookups do not count
         keep = None if q_valid is None else np.asarray(q_valid, bool)
         out = []
@@ -383,6 +383,17 @@ class FixedContext:
             out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
                                  np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), np.asarray(over[layer][:n_valid]).any(0)))
         return out
+
+    def _accounted_index(self):
+        """The index `_lookup_stats` re-runs the lookup with: the one the timed path selected with.
+        The cluster-contiguous routes (`SparseAttentionHook` with a GPU backend) read every selected
+        cluster's rows, with no capacity, so the capacity is lifted there: the rows are counted as
+        read and no overflow is reported for clusters the library route would have dropped."""
+        with dispatch.using(self._hook.backend):
+            routed = "clustered" in self._state and dispatch.resolved() != "reference"
+        if not routed:
+            return self.index
+        return dataclasses.replace(self.index, capacity=self.index.n_sink + self.index.n_tail + self.n_tokens)
 
     def _question_ids(self, question: str) -> np.ndarray:
         if not isinstance(question, str) or not question.strip():

@@ -440,6 +440,31 @@ def test_clustered_prefill_path_equals_reference(model, hierarchical, monkeypatc
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
+def test_gpu_route_accounts_every_selected_row(model):
+    """The cluster-contiguous routes (GPU, here interpreted) read every selected cluster's rows with no
+    capacity, and an answer's accounting counts them so: with a capacity too small for the selection,
+    the library route reports an overflow and fewer rows, while the routed answer reports what an
+    index whose capacity holds every row reports (same thresholds, same answer)."""
+    from sqjax.fixed_context import attention_state
+
+    method = Squeezed(sparsity=0.5, n_sink=1, capacity_fraction=0.05)
+    small = FixedContext.build(model, DOC, method, chat=False)
+    roomy = FixedContext.build(model, DOC, dataclasses.replace(method, capacity_fraction=1.0), chat=False)
+    assert small.index.capacity < roomy.index.capacity
+    np.testing.assert_array_equal(small.index.threshold, roomy.index.threshold)
+    question = "Which aisle holds item 12?"
+    library = small.ask(question, max_new_tokens=3).stats
+    full = roomy.ask(question, max_new_tokens=3)
+    small._hook = dataclasses.replace(small._hook, backend="interpret")
+    small._state = attention_state(small.kv.k, small.kv.v, small.index, clustered_layout=True)
+    routed = small.ask(question, max_new_tokens=3)
+    assert library.overflow and not full.stats.overflow and not routed.stats.overflow
+    assert routed.token_ids == full.token_ids
+    for field in ("kv_budget", "kv_budget_prefill", "bytes_moved_per_token"):
+        assert getattr(routed.stats, field) == pytest.approx(getattr(full.stats, field), rel=1e-6), field
+        assert getattr(library, field) < getattr(full.stats, field), field
+
+
 def test_full_attention_gpu_path_equals_reference(model):
     """Full attention's GPU path (the split-KV dense Pallas kernel, here interpreted) gives the
     reference logits for a question's prefill block and for a decode step."""
