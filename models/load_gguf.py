@@ -5,6 +5,9 @@ K-quants: whatever gguf-py supports) to float32. llama.cpp's ``convert_hf_to_ggu
 the rows of ``attn_q``/``attn_k`` of ``llama`` models (its rotary kernel rotates adjacent
 pairs, HF rotates halves); `unpermute_qk` undoes it so the HF ``rotate_half`` RoPE applies.
 The tokenizer and chat template come from the GGUF metadata.
+
+An empty, foreign, truncated or corrupted file raises `ModelFileError` (a ``ValueError``) whose
+one-line message names the file and says what to do.
 """
 
 from __future__ import annotations
@@ -18,6 +21,25 @@ import numpy as np
 from .config import LlamaConfig
 from .tokenizer import Tokenizer
 from .weights import build_from_hf_tensors
+
+
+class ModelFileError(ValueError):
+    """A model file that exists but cannot be read: empty, truncated, corrupted or not in the format
+    its name claims. The message is one line that names the file and says what to do (the CLI
+    prints it and exits 2)."""
+
+
+GGUF_MAGIC = b"GGUF"
+# what gguf-py raises on malformed bytes (UnicodeDecodeError is a ValueError); anything else
+# (TypeError, AttributeError, ...) is a bug and stays visible
+_GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, OverflowError)
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """``str(e)`` on one line (whitespace collapsed, at most ``limit`` characters), for error details."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 # GGUF name -> HF name (per layer names use {i})
 _GLOBAL_NAMES = {
@@ -87,15 +109,42 @@ def dequantize_tensor(t) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
-def load_gguf(path: str | Path, dtype=jnp.float32):
-    """Read ``path`` -> ``(graphdef, state, config, tokenizer)``."""
+def open_gguf(path: Path):
+    """``(GGUFReader, metadata)`` of ``path``; `ModelFileError` for an empty, foreign, truncated or
+    corrupted file. gguf-py maps the file and shapes every tensor's bytes while parsing, so a
+    cut-off download fails here, before any weight is dequantized."""
     import gguf
 
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelFileError(f"{path} is empty (0 bytes), not a GGUF model; re-download it")
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r}); "
+            "pass a .gguf model file, or re-download it if it should be one"
+        )
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = read_gguf_metadata(reader)
+    except _GGUF_READ_ERRORS as e:
+        raise ModelFileError(
+            f"{path} is not a readable GGUF model ({size} bytes; truncated or corrupted: {one_line(e)}); "
+            "re-download it"
+        ) from e
+    return reader, meta
+
+
+def load_gguf(path: str | Path, dtype=jnp.float32):
+    """Read ``path`` -> ``(graphdef, state, config, tokenizer)``.
+
+    Raises `ModelFileError` (a ``ValueError``) when the file is empty, not GGUF, truncated or corrupted.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(str(path))
-    meta = read_gguf_metadata(reader)
+    reader, meta = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     arch = str(meta.get("general.architecture", ""))
     rope_factors = None

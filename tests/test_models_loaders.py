@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import struct
 
 import gguf
@@ -20,7 +21,9 @@ from safetensors.numpy import save_file
 
 import models.registry as registry
 from models import LlamaConfig, MissingModelPackageError, load_model
-from models.load_gguf import permute_qk, unpermute_qk
+from models.load_gguf import ModelFileError, permute_qk, unpermute_qk
+
+from _embedded import needs_embedded_model  # tests/ is on sys.path under pytest
 
 L, D, F, HQ, HKV, HD, THETA, EPS = 2, 64, 128, 4, 2, 16, 10000.0, 1e-5
 
@@ -320,6 +323,142 @@ def test_fingerprint_tracks_weights(tmp_path):
     fa = load_model(a).fingerprint
     assert len(fa) == 64 and fa == load_model(a).fingerprint
     assert fa != load_model(b).fingerprint
+
+
+# ----------------------------------------------------------------------------- corrupt files
+def _assert_file_error(excinfo, path, advice):
+    """One clear line (a ValueError: the CLI prints it and exits 2) that names the file and says what to do."""
+    msg = str(excinfo.value)
+    assert type(excinfo.value) is ModelFileError and isinstance(excinfo.value, ValueError)
+    assert str(path) in msg and advice in msg and "\n" not in msg, msg
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    _write_gguf(path, _tensors(seed=7, tie=True))
+    return path
+
+
+def test_gguf_text_file_renamed(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("hello, this is a text file\n")
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    _assert_file_error(e, path, "re-download it")
+    assert "not a GGUF file" in str(e.value) and "b'hell'" in str(e.value)
+
+
+def test_gguf_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    _assert_file_error(e, path, "re-download it")
+    assert "empty (0 bytes)" in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor_infos", "tensor_data", "last_byte"])
+def test_gguf_truncated(tmp_path, tiny_gguf, where):
+    raw = tiny_gguf.read_bytes()
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    infos = min(t.field.offset for t in reader.tensors)
+    assert 2048 < infos < reader.data_offset < len(raw)
+    n = {"metadata": 2048,  # 2 KB, as in the audit
+         "tensor_infos": (infos + reader.data_offset) // 2,
+         "tensor_data": (reader.data_offset + len(raw)) // 2,
+         "last_byte": len(raw) - 1}[where]
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(raw[:n])
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    _assert_file_error(e, path, "re-download it")
+    assert f"not a readable GGUF model ({n} bytes; truncated or corrupted" in str(e.value)
+
+
+@needs_embedded_model
+def test_gguf_embedded_truncated_to_50mb(tmp_path):
+    from models import embedded_gguf_path
+
+    path = tmp_path / "smollm2-50mb.gguf"
+    with open(embedded_gguf_path(), "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read(50_000_000))
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    _assert_file_error(e, path, "re-download it")
+    assert "truncated or corrupted" in str(e.value)
+
+
+def _small_hf_dir(tmp_path):
+    return _hf_dir(tmp_path, _tensors(seed=8))
+
+
+def test_hf_config_not_json(tmp_path):
+    d = _small_hf_dir(tmp_path)
+    (d / "config.json").write_text("{'model_type': 'llama'}")  # Python, not JSON
+    with pytest.raises(ModelFileError) as e:
+        load_model(d)
+    _assert_file_error(e, d / "config.json", "fix it or re-download the checkpoint")
+    assert "is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2)" in str(e.value)
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelFileError, match="must hold a JSON object, not a list"):
+        load_model(d)
+    (d / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ModelFileError) as e:
+        load_model(d)
+    _assert_file_error(e, d / "config.json", "re-download")
+
+
+@pytest.mark.parametrize("content", [b"this is not a safetensors file\n" * 4, b"short", b""])
+def test_hf_safetensors_garbage(tmp_path, content):
+    d = _small_hf_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(content)  # a header length read from text: petabytes (was a MemoryError)
+    with pytest.raises(ModelFileError) as e:
+        load_model(d)
+    _assert_file_error(e, d / "model.safetensors", "re-download it")
+    assert "not a readable safetensors file" in str(e.value)
+
+
+def test_hf_safetensors_truncated_and_bad_header(tmp_path):
+    d = _small_hf_dir(tmp_path)
+    st = d / "model.safetensors"
+    raw = st.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    st.write_bytes(raw[: 8 + n + 100])  # header intact, data cut
+    with pytest.raises(ModelFileError, match=r"truncated: tensor '.*' ends at data byte \d+") as e:
+        load_model(d)
+    _assert_file_error(e, st, "re-download it")
+    st.write_bytes(raw[:8] + b"{" * n + raw[8 + n:])  # header length fine, header not JSON
+    with pytest.raises(ModelFileError, match="header is not valid JSON") as e:
+        load_model(d)
+    _assert_file_error(e, st, "re-download it")
+    head = json.loads(raw[8:8 + n])
+    name = next(k for k in head if k != "__metadata__")
+    head[name]["shape"] = [3]  # shape and byte count disagree
+    h = json.dumps(head).encode()
+    st.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+    with pytest.raises(ModelFileError, match=f"tensor '{name}' .* does not match") as e:
+        load_model(d)
+    _assert_file_error(e, st, "re-download it")
+
+
+def test_hf_index_and_tokenizer_not_json(tmp_path):
+    t = _tensors(seed=9)
+    d = _hf_dir(tmp_path, t, sharded=True)
+    index = d / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ')
+    with pytest.raises(ModelFileError) as e:
+        load_model(d)
+    _assert_file_error(e, index, "re-download the checkpoint")
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(ModelFileError, match='has no "weight_map" object') as e:
+        load_model(d)
+    _assert_file_error(e, index, "re-download the checkpoint")
+    d = _small_hf_dir(tmp_path)
+    (d / "tokenizer.json").write_text('{"model": ')  # the tokenizers package names no file
+    with pytest.raises(ModelFileError) as e:
+        load_model(d)
+    _assert_file_error(e, d / "tokenizer.json", "re-download the checkpoint")
 
 
 # ----------------------------------------------------------------------------- registry
