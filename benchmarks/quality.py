@@ -587,6 +587,20 @@ def per_document_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (an interrupted run never leaves a torn file)."""
+    from sqjax.index_io import write_atomic
+
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def _savefig_atomic(fig, path: Path, **kw) -> None:
+    """`fig.savefig` atomically; the format is explicit because the temporary name ends in .tmp."""
+    from sqjax.index_io import write_atomic
+
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", **kw))
+
+
 def write_table(path: Path, rows: list[dict], h2h: list[dict], pk: list[dict], meta: dict,
                 per_doc: list[str] | None = None) -> str:
     lines = [f"# Quality at matched KV budgets — {meta['model']}", "",
@@ -645,7 +659,7 @@ def write_table(path: Path, rows: list[dict], h2h: list[dict], pk: list[dict], m
                          f"{r['success']:.0%} ({r['trials']}) | {cond} | {_fmt(r['kv_budget'], 3)} | "
                          f"{_fmt(r['token_fraction'], 3)} |")
     text = "\n".join(lines) + "\n"
-    path.write_text(text)
+    _write_text_atomic(path, text)
     return text
 
 
@@ -681,7 +695,7 @@ def plot(out: Path, rows: list[dict], records: list[dict]) -> list[str]:
         axes[0].legend(fontsize=8)
         fig.suptitle(f"{ylabel.split(' (')[0]} vs measured KV budget (mean over {len({r['doc'] for r in records})} documents)")
         fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
+        _savefig_atomic(fig, out / fname, dpi=110)
         plt.close(fig)
         files.append(fname)
     # per-layer breakdown at the most aggressive level
@@ -706,7 +720,7 @@ def plot(out: Path, rows: list[dict], records: list[dict]) -> list[str]:
         axes[0].legend(fontsize=8)
         fig.suptitle(f"per-layer breakdown at level {lv} (mean over documents and heads; legend: measured KV budget)")
         fig.tight_layout()
-        fig.savefig(out / "per_layer.png", dpi=110)
+        _savefig_atomic(fig, out / "per_layer.png", dpi=110)
         plt.close(fig)
         files.append("per_layer.png")
     return files
@@ -739,13 +753,43 @@ def report(out: Path, store: Store, settings: Settings, meta: dict) -> dict:
         for mode in ("decode", "prefill", "question"):
             if r.get(mode):
                 r[mode] = {k: v for k, v in r[mode].items() if k != "kl_tokens"}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, default=float))
+    _write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=1, default=float))
     return {"table": table, "plots": plots, "rows": rows, "head_to_head": h2h, "passkey": pk}
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------
+
+def read_old_config(path: Path) -> dict:
+    """The previous invocation's config.json, or {} if there is none.
+
+    An unreadable or unparsable one (e.g. torn by an interrupted run from before config.json was
+    written atomically) is treated as missing: it only carries the running wall-time total, which
+    then restarts from this invocation, and it is rewritten below.
+    """
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):  # missing, unreadable or torn
+        return {}
+    if not isinstance(old, dict):
+        return {}
+    if not isinstance(old.get("wall_seconds_total", 0.0), (int, float)):
+        old.pop("wall_seconds_total")
+    return old
+
+
+def check_out_dir(out: Path) -> None:
+    """Fail early (before the model loads) if `out` cannot be the output directory."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"-o {out} is a file; give a directory (it is created if missing)")
+    for parent in out.parents:  # the nearest existing ancestor must be a directory
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"-o {out}: {parent} is a file; give a directory path")
+            break
+
 
 def run(model, docs: list[Document], settings: Settings, out: Path, *, progress=True, log=print) -> dict:
     """Evaluate (resumably) and write the report. Returns {"computed": [...], "report": ...}."""
@@ -759,7 +803,7 @@ def run(model, docs: list[Document], settings: Settings, out: Path, *, progress=
         pk_info = evaluate_passkey(model, settings, store, progress=progress, log=log, counter=computed)
     wall = time.perf_counter() - t0
     cfg_path = out / "config.json"
-    old = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    old = read_old_config(cfg_path)
     import jax
 
     config = {
@@ -773,7 +817,7 @@ def run(model, docs: list[Document], settings: Settings, out: Path, *, progress=
         "cells_computed_this_invocation": len(computed),
         "wall_seconds_total": old.get("wall_seconds_total", 0.0) + wall if computed else old.get("wall_seconds_total", wall),
     }
-    cfg_path.write_text(json.dumps(config, indent=1, default=str))
+    _write_text_atomic(cfg_path, json.dumps(config, indent=1, default=str))
     rep = report(out, store, settings, config | {"model": config["model"]})
     return {"computed": computed, "report": rep, "config": config}
 
@@ -781,6 +825,12 @@ def run(model, docs: list[Document], settings: Settings, out: Path, *, progress=
 def settings_from_args(args) -> Settings:
     kw = {}
     if getattr(args, "budgets", None):
+        for b in args.budgets:
+            b = float(b)
+            # (the rounded sparsity too: a kept fraction within 1e-6 of 0 or 1 would round to s = 1 or 0)
+            if not (math.isfinite(b) and 0.0 < b < 1.0 and 0.0 < round(1.0 - b, 6) < 1.0):
+                raise ValueError(f"--budgets {b:g}: each budget is a kept fraction strictly between 0 and 1 "
+                                 "(e.g. --budgets 0.3 0.2 0.1)")
         kw["levels"] = tuple(round(1.0 - float(b), 6) for b in args.budgets)
         kw["hier_levels"] = tuple(s for s in (0.9,) if s in kw["levels"]) or kw["levels"][-1:]
         kw["passkey_levels"] = kw["levels"]
@@ -821,10 +871,11 @@ def main(args) -> int:
     """`sqjax eval` / `python -m benchmarks.quality`: returns an exit code."""
     import sqjax
 
-    settings = settings_from_args(args)
+    settings = settings_from_args(args)  # bad options fail here, before the model loads
     out = Path(getattr(args, "out", None) or DEFAULT_OUT)
     if getattr(args, "quick", False) and out == Path(DEFAULT_OUT):
         out = out / "quick"  # never mix a smoke run into the committed results
+    check_out_dir(out)
     as_json = getattr(args, "json", False)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if as_json else (lambda *a: print(*a, flush=True))
     if getattr(args, "docs", None):

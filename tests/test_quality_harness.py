@@ -182,10 +182,15 @@ def test_run_is_resumable(model, tmp_path, monkeypatch):
     monkeypatch.setattr(E, "evaluate_cell", boom)
     monkeypatch.setattr(E, "compute_reference", boom)
     monkeypatch.setattr(FixedContext, "build", boom)
+    cfg = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(cfg[:len(cfg) // 2])  # torn by an interrupted (older) run
     second = Q.run(model, docs, st, tmp_path, progress=False, log=lambda *a: None)
     assert second["computed"] == []
     assert (tmp_path / "metrics.json").read_text() == metrics
     assert json.loads((tmp_path / "config.json").read_text())["cells_computed_this_invocation"] == 0
+    # every output is written atomically: no temporary file is left behind
+    assert not [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
+    json.loads(metrics)
     # a changed document is a different document: its cells are recomputed
     monkeypatch.undo()
     docs = [Document("inventory", DOC.replace("lamp", "lantern"))]

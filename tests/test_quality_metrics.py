@@ -101,3 +101,53 @@ def test_store_skips_torn_lines(tmp_path):
     assert len(st2.records) == 1
     st2.add({"kind": "cell", "setup": "a", "doc": "e", "family": "full", "level": "-", "x": 2})
     assert len(Q.Store(p).records) == 2
+
+
+def _no_model(monkeypatch):
+    import sqjax
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the bad option was caught")
+
+    monkeypatch.setattr(sqjax, "load_model", boom)
+
+
+@pytest.mark.parametrize("budget", ["0", "1", "-0.1", "1.5", "nan", "inf", "1e-9"])
+def test_bad_budgets_fail_before_the_model_loads(budget, tmp_path, monkeypatch):
+    args = Q.build_parser().parse_args(["--budgets", "0.2", budget, "--quick", "--methods", "squeezed",
+                                        "-o", str(tmp_path / "ev")])
+    with pytest.raises(ValueError, match=r"^--budgets .*strictly between 0 and 1"):
+        Q.settings_from_args(args)
+    _no_model(monkeypatch)
+    with pytest.raises(ValueError, match="--budgets"):
+        Q.main(args)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_out_that_is_a_file_fails_before_the_model_loads(tmp_path, monkeypatch):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text " * 50)
+    f = tmp_path / "ev"
+    f.write_text("not a directory")
+    _no_model(monkeypatch)
+    args = Q.build_parser().parse_args(["--docs", str(doc), "--quick", "--methods", "squeezed", "-o", str(f)])
+    with pytest.raises(ValueError, match=r"-o .*ev is a file; give a directory"):
+        Q.main(args)
+    with pytest.raises(ValueError, match="is a file; give a directory"):
+        Q.check_out_dir(f / "sub" / "dir")  # under a file
+    Q.check_out_dir(tmp_path / "new" / "dir")  # a directory to be created is fine
+    Q.check_out_dir(tmp_path)
+    assert f.read_text() == "not a directory"
+
+
+def test_torn_config_is_treated_as_missing(tmp_path):
+    p = tmp_path / "config.json"
+    assert Q.read_old_config(p) == {}
+    p.write_text('{\n "settings": {"context_tokens": 6000},\n "wall_seconds_total": 12.5,\n "date": "2024-')
+    assert Q.read_old_config(p) == {}  # torn by an interrupted run: only the wall-time total is lost
+    p.write_text("null")
+    assert Q.read_old_config(p) == {}
+    p.write_text('{"wall_seconds_total": "x", "model": "m"}')
+    assert Q.read_old_config(p) == {"model": "m"}
+    p.write_text('{"wall_seconds_total": 12.5}')
+    assert Q.read_old_config(p) == {"wall_seconds_total": 12.5}
