@@ -92,18 +92,37 @@ class LoadedModel:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """sha256 over the canonical config JSON and the weight files' sha256 digests."""
-        h = hashlib.sha256()
-        h.update(b"sqjax-model-v1\n")
-        h.update(self.config.to_json().encode())
-        if self.weight_files:
-            for f in self.weight_files:
-                h.update(f"\n{Path(f).name}:{file_digest(f)}".encode())
-        else:  # in-memory model: hash the parameters themselves
+        """sha256 over the canonical config JSON and the weight files' sha256 digests, in file order.
+
+        Neither the files' names nor the config's name (the file's or directory's) is hashed: renamed
+        or moved weights keep the fingerprint."""
+        if not self.weight_files:  # in-memory model: hash the parameters themselves
+            h = hashlib.sha256()
+            h.update(b"sqjax-model-v1\n")
+            h.update(self.config.to_json().encode())
             for leaf in jax.tree.leaves(self.state):
                 a = np.asarray(leaf)
                 h.update(str((a.shape, a.dtype)).encode())
                 h.update(np.ascontiguousarray(a).tobytes())
+            return h.hexdigest()
+        return self._files_fingerprint(b"sqjax-model-v2", with_names=False)
+
+    @functools.cached_property
+    def fingerprints(self) -> tuple[str, ...]:
+        """Every fingerprint this model answers to: `fingerprint`, and for a file-backed model the
+        "sqjax-model-v1" one, which hashed the weight files' names too (indexes and classifier runs
+        made before 2026-11-27 recorded it)."""
+        if not self.weight_files:
+            return (self.fingerprint,)
+        return self.fingerprint, self._files_fingerprint(b"sqjax-model-v1", with_names=True)
+
+    def _files_fingerprint(self, version: bytes, with_names: bool) -> str:
+        h = hashlib.sha256()
+        h.update(version + b"\n")
+        config = self.config if with_names else dataclasses.replace(self.config, name="")  # named after the file
+        h.update(config.to_json().encode())
+        for f in self.weight_files:
+            h.update(f"\n{Path(f).name + ':' if with_names else ''}{file_digest(f)}".encode())
         return h.hexdigest()
 
     @property
@@ -192,4 +211,6 @@ def load_model(name_or_path: str | os.PathLike = "smollm2-135m", dtype=jnp.float
 
         graphdef, state, config, tokenizer = load_hf(path, dtype=dtype)
         files = tuple(str(f) for f in find_safetensors(path))
-    return LoadedModel(graphdef, state, config, tokenizer, source=str(path), dtype=dtype, weight_files=files)
+    # the source an index records to find its model again: the embedded name, or an absolute path
+    source = str(name_or_path).lower() if str(name_or_path).lower() in EMBEDDED_NAMES else str(path.resolve())
+    return LoadedModel(graphdef, state, config, tokenizer, source=source, dtype=dtype, weight_files=files)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -45,25 +46,69 @@ def demo_document() -> str:
     return re.sub(r"0x[0-9a-fA-F]+", "0x0", pydoc.render_doc(DEMO_MODULE, renderer=pydoc.plaintext))
 
 
-def make_method(name: str, sparsity: float | None = None, budget: float | None = None, **extra):
+SQUEEZED = ("squeezed", "hsqueezed")
+BUDGETED = ("quest", "snapkv", "streaming", "oracle")
+# `sqjax index` options -> the methods that take them (a method that has no use for a given option is an error)
+INDEX_OPTIONS = {
+    "sparsity": SQUEEZED + BUDGETED,   # budget methods keep 1 - sparsity
+    "budget": BUDGETED,
+    "probes": ("saap",),
+    "n_sink": SQUEEZED + ("streaming", "saap"),
+    "decode_calibration": SQUEEZED,
+    "lookup_int8": SQUEEZED,
+    "deterministic": SQUEEZED + ("saap",),
+}
+
+
+def _given_index_options(args) -> list[str]:
+    return [k for k in INDEX_OPTIONS if getattr(args, k) is not None and getattr(args, k) is not False]  # 0 is given
+
+
+def check_index_options(args) -> None:
+    """Every given option applies to --method, and the kept fraction is set once."""
+    from sqjax.fixed_context import SqjaxError
+
+    for k in _given_index_options(args):
+        if args.method not in INDEX_OPTIONS[k]:
+            names = INDEX_OPTIONS[k]
+            takers = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+            raise SqjaxError(f"--{k.replace('_', '-')} is for {takers}; --method {args.method} does not take it")
+    if args.sparsity is not None and args.budget is not None:
+        raise SqjaxError(f"--sparsity and --budget both set the fraction of keys {args.method} keeps; give one")
+
+
+def make_method(args):
+    """The method `sqjax index` builds from its (checked) options."""
     from sqjax.methods import method_from_name
 
-    kwargs = dict(extra)
-    if name in ("squeezed", "hsqueezed") and sparsity is not None:
-        kwargs["sparsity"] = sparsity
-    if name in ("quest", "snapkv", "streaming", "oracle"):
-        if budget is None and sparsity is not None:
-            budget = 1.0 - sparsity
-        if budget is not None:
-            kwargs["budget"] = budget
-    if name == "saap" and sparsity is not None:
-        raise ValueError("SAAP's budget is set by --probes, not --sparsity")
-    return method_from_name(name, **kwargs)
+    param = {"deterministic": "deterministic_build"}
+    kwargs = {param.get(k, k): getattr(args, k) for k in _given_index_options(args) if k not in ("sparsity", "budget")}
+    if args.method in SQUEEZED and args.sparsity is not None:
+        kwargs["sparsity"] = args.sparsity
+    if args.method in BUDGETED and (args.budget is not None or args.sparsity is not None):
+        kwargs["budget"] = args.budget if args.budget is not None else 1.0 - args.sparsity
+    return method_from_name(args.method, **kwargs)
+
+
+def _json_safe(x):
+    """`x` with every non-finite float as None (JSON has no NaN or infinity)."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def dumps(payload, **kwargs) -> str:
+    """Strict JSON of a payload (numpy scalars as floats, NaN and infinities as null)."""
+    return json.dumps(_json_safe(json.loads(json.dumps(payload, default=float))), allow_nan=False, **kwargs)
 
 
 def _out(args, payload: dict, text: str) -> None:
     if args.json:
-        print(json.dumps(payload, indent=1, default=float))
+        print(dumps(payload, indent=1))
     else:
         print(text)
 
@@ -111,36 +156,46 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _check_index_paths(doc_path: Path, out: Path) -> None:
+    """The document is a readable file and -o names a file that may be written, before any work."""
+    from sqjax.fixed_context import SqjaxError
+    from sqjax.index_io import IndexFileError, read_header
+
+    if doc_path.is_dir():
+        raise SqjaxError(f"document {str(doc_path)!r} is a directory; give a text file")
+    if not doc_path.is_file():
+        raise SqjaxError(f"document {str(doc_path)!r} not found")
+    if out.is_dir():
+        raise SqjaxError(f"-o {str(out)!r} is a directory; give a file path such as {str(out / (doc_path.stem + '.sqx'))!r}")
+    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise SqjaxError(f"output directory {str(out.parent)!r} does not exist; create it first")
+    if out.exists():
+        if out.resolve() == doc_path.resolve():
+            raise SqjaxError(f"-o {str(out)!r} is the document itself; give the index another name, such as "
+                             f"{str(out.with_suffix('.sqx'))!r}")
+        try:
+            read_header(out)
+        except (IndexFileError, OSError):
+            if out.suffix != ".sqx":  # a damaged .sqx is rebuilt in place; any other file is the user's
+                raise SqjaxError(f"{str(out)!r} exists and is not a sqjax index, so it is not overwritten; "
+                                 "delete it or give -o another path") from None
+
+
 def cmd_index(args) -> int:
     import sqjax
     from sqjax.fixed_context import FixedContext, SqjaxError
 
-    doc_path = Path(args.document)
-    if not doc_path.is_file():
-        raise SqjaxError(f"document {str(doc_path)!r} not found")
-    out = Path(args.output)
-    if not (out.parent if str(out.parent) else Path(".")).is_dir():
-        raise SqjaxError(f"output directory {str(out.parent)!r} does not exist; create it first")
+    doc_path, out = Path(args.document), Path(args.output)
+    check_index_options(args)
+    _check_index_paths(doc_path, out)
     try:
         text = doc_path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise SqjaxError(f"{doc_path} is not UTF-8 text") from None
-    extra = {}
-    if args.method in ("squeezed", "hsqueezed"):
-        extra["n_sink"] = args.n_sink
-        extra["decode_calibration"] = args.decode_calibration or "window"
-        extra["lookup_int8"] = args.lookup_int8
-    elif args.decode_calibration:
-        raise SqjaxError(f"--decode-calibration is for squeezed and hsqueezed (thresholds); {args.method} has none")
-    elif args.lookup_int8:
-        raise SqjaxError(f"--lookup-int8 is for squeezed and hsqueezed (centroid lookups); {args.method} has none")
-    if args.method in ("squeezed", "hsqueezed", "saap"):
-        extra["deterministic_build"] = args.deterministic
-    elif args.deterministic:
-        raise SqjaxError(f"--deterministic is for squeezed, hsqueezed and saap (k-means); {args.method} builds without it")
-    if args.method == "saap" and args.probes:
-        extra["probes"] = args.probes
-    method = make_method(args.method, args.sparsity, args.budget, **extra)
+        raise SqjaxError(f"{doc_path} is not UTF-8 text; convert it (e.g. `iconv -t UTF-8`) or give a plain-text "
+                         "file") from None
+    if not text.strip():
+        raise SqjaxError(f"document is empty: {doc_path} holds no text")
+    method = make_method(args)
     model = sqjax.load_model(args.model)
     t0 = time.perf_counter()
     ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=not args.json, chat=not args.raw)
@@ -171,22 +226,44 @@ def _questions(args) -> list[str]:
     return qs
 
 
-def cmd_ask(args) -> int:
+def _index_model(path: Path, header: dict, given: str | None):
+    """The model an index is answered with: --model, else the one its header names (checked: a
+    header damaged in that field reads as the corruption it is)."""
     import sqjax
+    from sqjax.fixed_context import SqjaxError
+    from sqjax.index_io import IndexFileError, load_index
+
+    if given:
+        return sqjax.load_model(given)
+    source = header.get("model_source") or "smollm2-135m"
+    try:
+        return sqjax.load_model(source)
+    except (OSError, ValueError) as e:
+        try:
+            load_index(path)
+        except IndexFileError as bad:
+            raise SqjaxError(str(bad)) from None
+        raise SqjaxError(f"{path} was built with the model {source!r}, which does not load here ({e}); "
+                         "pass --model with that model's path") from None
+
+
+def cmd_ask(args) -> int:
     from sqjax.fixed_context import FixedContext, SqjaxError
     from sqjax.index_io import IndexFileError, read_header
 
     questions = _questions(args)
+    for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise SqjaxError(f"{flag} must be >= 1; got {value}")
     path = Path(args.index)
     try:
         header = read_header(path)
     except IndexFileError as e:
         raise SqjaxError(str(e)) from None
-    model = sqjax.load_model(args.model or header.get("model_source") or "smollm2-135m")
+    model = _index_model(path, header, args.model)
     ctx = FixedContext.load(path, model)   # loaded (and compiled) once for every question
+    ctx.check_questions(questions, args.max_new_tokens)   # every question fits before the first is answered
     batch = args.batch
-    if batch < 1:
-        raise SqjaxError(f"--batch must be >= 1; got {batch}")
     # batch 1: each answer streams as it is generated; larger batches print each answer when its batch ends
     stream = None if args.json or batch > 1 else (lambda _i, s: print(s, end="", flush=True))
     for start in range(0, len(questions), batch):
@@ -196,14 +273,15 @@ def cmd_ask(args) -> int:
         answers = ctx.ask_many(group, max_new_tokens=args.max_new_tokens, on_token=stream)
         for q, ans in zip(group, answers):
             if args.json:   # JSON Lines: one object per question, printed as soon as its batch is answered
-                print(json.dumps({"question": q, "answer": str(ans), "token_ids": ans.token_ids,
-                                  "stats": ans.stats.to_dict()}, default=float), flush=True)
+                print(dumps({"question": q, "answer": str(ans), "token_ids": ans.token_ids,
+                             "stats": ans.stats.to_dict()}), flush=True)
                 continue
             if batch > 1:
                 print(f"Q: {q}\n{ans}", end="")
             s = ans.stats
-            print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, "
-                  f"{1e3 * s.time_per_output_token_s:.1f} ms/token"
+            per_token = (f"{1e3 * s.time_per_output_token_s:.1f} ms/token" if math.isfinite(s.time_per_output_token_s)
+                         else "no decode step")
+            print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, {per_token}"
                   + (f" for {len(group)} answers" if len(group) > 1 else "")
                   + f"{', OVERFLOW' if s.overflow else ''}]" + ("\n" if len(questions) > 1 else ""))
     return 0
@@ -254,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--sparsity", type=float, default=None, help="squeezed: fraction pruned (default 0.9)")
     i.add_argument("--budget", type=float, default=None, help="quest/snapkv/streaming/oracle: fraction kept")
     i.add_argument("--probes", type=int, default=None, help="saap: buckets visited per query")
-    i.add_argument("--n-sink", type=int, default=0, help="squeezed: attention-sink tokens kept exactly")
+    i.add_argument("--n-sink", type=int, default=None,
+                   help="squeezed, hsqueezed, streaming, saap: attention-sink tokens kept exactly "
+                        "(default: the method's own, 0, 0, 4 and 1)")
     i.add_argument("--deterministic", action="store_true",
                    help="squeezed, hsqueezed, saap: bit-identical index on GPU from the same document (k-means 1.2-2.2x slower, measured 128K-512K)")
     i.add_argument("--decode-calibration", choices=("window", "token"), default=None,
@@ -321,6 +401,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("sqjax: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`sqjax ask ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # one clear line unless --debug
         if getattr(args, "debug", False):
             raise

@@ -401,6 +401,28 @@ class FixedContext:
         text = self.suffix_template.format(question=question)
         return np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
 
+    def check_questions(self, questions, max_new_tokens: int = 64) -> list[np.ndarray]:
+        """Token ids of each question's prompt, once every question is known to fit: non-empty, and
+        document + question + max_new_tokens within the model's context (questions counted from 1)."""
+        if max_new_tokens < 1:
+            raise SqjaxError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        if isinstance(questions, str) or not len(questions):
+            raise SqjaxError("ask_many takes a non-empty list of questions (ask() takes one string)")
+        which = (lambda i: f"question {i + 1} of {len(questions)}") if len(questions) > 1 else (lambda i: "the question")
+        for i, q in enumerate(questions):
+            if len(questions) > 1 and (not isinstance(q, str) or not q.strip()):
+                raise SqjaxError(f"{which(i)} is empty: ask something")
+        q_ids = [self._question_ids(q) for q in questions]
+        limit = self.model.config.max_position_embeddings
+        for i, ids in enumerate(q_ids):
+            total = self.n_tokens + len(ids) + max_new_tokens
+            if total > limit:
+                raise SqjaxError(
+                    f"document ({self.n_tokens}) + {which(i)} ({len(ids)}) + {max_new_tokens} new tokens = {total} "
+                    f"tokens exceed the model's context of {limit}; shorten {which(i)} or ask for fewer new tokens"
+                )
+        return q_ids
+
     def ask(self, question: str, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
             seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None) -> Answer:
         """Answer `question` about the document (greedy by default); streams text to `on_token`."""
@@ -421,21 +443,7 @@ class FixedContext:
         are the batch's (one step produces a token for every row). With sampling (temperature > 0)
         one key per step serves all rows, so a row's draws depend on the batch it is in.
         """
-        if max_new_tokens < 1:
-            raise SqjaxError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-        if isinstance(questions, str) or not len(questions):
-            raise SqjaxError("ask_many takes a non-empty list of questions (ask() takes one string)")
-        for i, q in enumerate(questions):
-            if len(questions) > 1 and (not isinstance(q, str) or not q.strip()):
-                raise SqjaxError(f"question {i + 1} of {len(questions)} is empty: ask something")
-        q_ids = [self._question_ids(q) for q in questions]
-        longest = max(len(x) for x in q_ids)
-        total = self.n_tokens + longest + max_new_tokens
-        if total > self.model.config.max_position_embeddings:
-            raise SqjaxError(
-                f"document ({self.n_tokens}) + question ({longest}) + max_new_tokens ({max_new_tokens}) = {total} "
-                f"tokens exceed the model's context of {self.model.config.max_position_embeddings}; ask for fewer tokens"
-            )
+        q_ids = self.check_questions(questions, max_new_tokens)
         tok_dec = self.model.tokenizer
         stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
         padded = _left_pad(q_ids)                                  # [B, T], -1 = padding
@@ -585,7 +593,7 @@ class FixedContext:
     def load(cls, path, model) -> "FixedContext":
         """Read an index written by `save`; the model must be the one it was built with."""
         try:
-            tree, header = index_io.load_index(path, expected_fingerprint=model.fingerprint)
+            tree, header = index_io.load_index(path, expected_fingerprint=model.fingerprints)
         except index_io.IndexFileError as e:
             raise SqjaxError(str(e)) from None
         built = header.get("model_dtype")

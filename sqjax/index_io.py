@@ -114,6 +114,16 @@ def _checksum(arrays: dict, *texts: str) -> str:
     return h.hexdigest()
 
 
+def _new_file_mode(path: Path) -> int:
+    """The permission bits of an overwritten file, else those of a new one (0666 less the umask)."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_atomic(path: str | os.PathLike, write_fn) -> None:
     """Call write_fn(tmp_path) then rename over `path`; nothing partial is left on failure."""
     path = Path(path)
@@ -123,9 +133,15 @@ def write_atomic(path: str | os.PathLike, write_fn) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     os.close(fd)
     try:
-        write_fn(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            write_fn(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except Exception as e:  # e.g. a full disk: say which file, and that the old one is intact
+            raise OSError(f"could not write {str(path)!r} ({e}); "
+                          f"{'it is unchanged' if path.exists() else 'nothing was written'}") from e
+        # mkstemp (and writers such as safetensors) make it 0600: give it the mode `open` would
+        os.chmod(tmp, _new_file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -158,6 +174,8 @@ def _read(path, with_arrays: bool) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a directory, not an index file; give the .sqx file's path")
     if not path.is_file():
         raise FileNotFoundError(f"index file {str(path)!r} not found; build one with `sqjax index DOC.txt -o {path}`")
     try:
@@ -175,19 +193,23 @@ def read_header(path) -> dict:
     """The JSON header of a `.sqx` file (no arrays read, nothing verified but the format)."""
     meta, _ = _read(path, with_arrays=False)
     if meta.get("format") != FORMAT:
-        raise IndexFileError(f"{path} is not a sqjax index file")
+        raise IndexFileError(f"{path} is not a sqjax index file; build one with `sqjax index DOC.txt -o {path}`")
     try:
         return json.loads(meta["header"])
     except (KeyError, json.JSONDecodeError):
         raise IndexFileError(f"{path} has a damaged header; rebuild it with `sqjax index`") from None
 
 
-def load_index(path, expected_fingerprint: str | None = None) -> tuple[object, dict]:
-    """Read and verify a `.sqx` file -> (tree, header)."""
+def load_index(path, expected_fingerprint: str | tuple[str, ...] | None = None) -> tuple[object, dict]:
+    """Read and verify a `.sqx` file -> (tree, header).
+
+    expected_fingerprint: the loading model's fingerprint, or every one it answers to (the first
+    named in the mismatch message); None skips the check."""
     path = Path(path)
     meta, arrays = _read(path, with_arrays=True)
     if meta.get("format") != FORMAT:
-        raise IndexFileError(f"{path} is not a sqjax index file (format {meta.get('format')!r})")
+        raise IndexFileError(f"{path} is not a sqjax index file (format {meta.get('format')!r}); build one with "
+                             f"`sqjax index DOC.txt -o {path}`")
     if meta.get("version") != str(VERSION):
         raise IndexFileError(
             f"{path} has index format version {meta.get('version')}, this sqjax reads version {VERSION}; "
@@ -200,9 +222,12 @@ def load_index(path, expected_fingerprint: str | None = None) -> tuple[object, d
         tree = _decode(json.loads(meta["structure"]), arrays)
     except (KeyError, json.JSONDecodeError, TypeError) as e:
         raise IndexFileError(f"{path} has a damaged header ({e}); rebuild it with `sqjax index`") from None
-    if expected_fingerprint is not None and header.get("model_fingerprint") != expected_fingerprint:
+    accepted = (expected_fingerprint,) if isinstance(expected_fingerprint, str) else expected_fingerprint
+    if accepted is not None and header.get("model_fingerprint") not in accepted:
+        source = f" from {header['model_source']}" if header.get("model_source") else ""
         raise IndexFileError(
-            f"{path} was built with another model ({header.get('model_name', '?')}, fingerprint "
-            f"{str(header.get('model_fingerprint'))[:12]}…); load it with that model or rebuild the index"
+            f"{path} was built with another model ({header.get('model_name', '?')}{source}, fingerprint "
+            f"{str(header.get('model_fingerprint'))[:12]}…) than this one (fingerprint {accepted[0][:12]}…; the "
+            "fingerprint covers the config and the weights' contents); load it with that model or rebuild the index"
         )
     return tree, header

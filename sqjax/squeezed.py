@@ -476,7 +476,8 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
     lc = length - cfg.n_obs - cfg.n_sink
     if lc < 1:
         raise ValueError(
-            f"fixed context of {length} tokens is not longer than the exact sink + tail ({cfg.n_sink} + {cfg.n_obs})"
+            f"fixed context of {length} tokens is not longer than the exact sink + tail ({cfg.n_sink} + {cfg.n_obs}); "
+            "use a longer document or a smaller n_sink (`--n-sink`)"
         )
     c2, c1 = cfg.n_clusters(lc)
     # Layers are clustered in groups whose similarity blocks stay under ~1 GB (heads vmapped); a single

@@ -1,15 +1,23 @@
 """The `sqjax` command line on a tiny Hugging Face checkpoint: outputs, --json, and clear errors."""
 
+import dataclasses
 import json
+import os
+import shutil
+import stat
 import subprocess
 import sys
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 from _tiny_model import save_hf_checkpoint, tiny_model
 
 import sqjax
 from sqjax import FixedContext
-from sqjax.cli import main
+from sqjax.fixed_context import SqjaxError
+from sqjax.cli import dumps, main
 
 DOC = " ".join(f"Record {i}: the {c} valve in room {i % 9} was serviced." for i, c in
                zip(range(40), ["red", "blue", "green", "grey"] * 10))
@@ -181,6 +189,139 @@ def test_ask_errors(capsys, model_dir, doc_file, tmp_path):
     assert code != 0 and "corrupted or truncated" in _error_line(err)
     code, _, err = _run(capsys, "ask", str(tmp_path / "none.sqx"), "hi", "--model", model_dir)
     assert code != 0 and "not found" in _error_line(err)
+
+
+def test_index_options_a_method_does_not_take_are_errors(capsys, doc_file, tmp_path):
+    """Checked before the model loads (the model named here does not exist): nothing is built."""
+    cases = [(("--budget", "0.2"), "--budget is for quest, snapkv, streaming and oracle; --method squeezed"),
+             (("--method", "full", "--sparsity", "0.5"), "--sparsity is for squeezed, hsqueezed, quest"),
+             (("--probes", "4"), "--probes is for saap; --method squeezed does not take it"),
+             (("--method", "quest", "--n-sink", "2"), "--n-sink is for squeezed, hsqueezed, streaming and saap"),
+             (("--method", "quest", "--sparsity", "0.5", "--budget", "0.2"), "--sparsity and --budget both set")]
+    for extra, message in cases:
+        code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "x.sqx"), "--model",
+                              str(tmp_path / "none.gguf"), *extra)
+        assert code == 2 and not out and message in _error_line(err), (extra, err)
+    assert not (tmp_path / "x.sqx").exists()
+
+
+def test_index_options_reach_the_method(capsys, model_dir, doc_file, tmp_path):
+    cases = [(("--method", "saap", "--probes", "3", "--n-sink", "2"), {"probes": 3, "n_sink": 2}),
+             (("--method", "streaming", "--sparsity", "0.75"), {"budget": 0.25, "n_sink": 4}),
+             (("--method", "quest", "--budget", "0.3"), {"budget": 0.3})]
+    model = sqjax.load_model(model_dir)
+    for extra, want in cases:
+        code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
+                            "--json", *extra)
+        assert code == 0, err
+        method = FixedContext.load(tmp_path / "m.sqx", model).method
+        assert {k: getattr(method, k) for k in want} == pytest.approx(want), extra
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
+                        "--method", "saap", "--probes", "0")   # 0 is a value, not "not given"
+    assert code == 2 and "probes must be >= 1" in _error_line(err)
+
+
+def test_index_output_is_checked_and_never_clobbers(capsys, model_dir, doc_file, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(doc_file.read_text())
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    (tmp_path / "adir").mkdir()
+    missing_model = str(tmp_path / "none.gguf")   # every case fails before the model would load
+    for out, message in [(doc, "is the document itself"), (notes, "exists and is not a sqjax index"),
+                         (tmp_path / "adir", "is a directory; give a file path such as")]:
+        code, _, err = _run(capsys, "index", str(doc), "-o", str(out), "--model", missing_model)
+        assert code == 2 and message in _error_line(err), err
+    assert doc.read_text() == doc_file.read_text() and notes.read_text() == "mine"
+    code, _, err = _run(capsys, "index", str(tmp_path / "adir"), "-o", str(tmp_path / "x.sqx"))
+    assert code == 2 and "is a directory; give a text file" in _error_line(err)
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\t")
+    code, _, err = _run(capsys, "index", str(blank), "-o", str(tmp_path / "x.sqx"), "--model", missing_model)
+    assert code == 2 and "document is empty" in _error_line(err)
+    # new files get the mode `open` gives (0666 less the umask), overwritten ones keep theirs; a
+    # damaged .sqx is rebuilt in place
+    old_umask = os.umask(0o027)
+    try:
+        idx = tmp_path / "doc.sqx"
+        assert main(["index", str(doc), "-o", str(idx), "--model", model_dir, "--json"]) == 0
+        assert stat.S_IMODE(idx.stat().st_mode) == 0o640
+        idx.write_bytes(b"damaged")
+        idx.chmod(0o604)
+        assert main(["index", str(doc), "-o", str(idx), "--model", model_dir, "--json"]) == 0
+        assert stat.S_IMODE(idx.stat().st_mode) == 0o604
+        assert FixedContext.load(idx, sqjax.load_model(model_dir)).n_tokens > 100
+    finally:
+        os.umask(old_umask)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_ask_checks_every_question_and_option_first(capsys, model_dir, doc_file, tmp_path):
+    # option errors come before the index or the model is read (this index does not exist)
+    for flag in ("--max-new-tokens", "--batch"):
+        code, out, err = _run(capsys, "ask", str(tmp_path / "none.sqx"), "hi", flag, "0")
+        assert code == 2 and not out and f"{flag} must be >= 1; got 0" in _error_line(err)
+    idx = tmp_path / "q.sqx"
+    assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--json"]) == 0
+    capsys.readouterr()
+    context = sqjax.load_model(model_dir).config.max_position_embeddings
+    too_long = "valve " * context
+    code, out, err = _run(capsys, "ask", str(idx), "Which room?", too_long, "--model", model_dir, "--json")
+    assert code == 2 and not out   # the first question was not answered either
+    assert "shorten question 2 of 2 or ask for fewer new tokens" in _error_line(err)
+    # one token: no decode step, so no time per output token; --json stays strict JSON (null, not NaN)
+    code, out, err = _run(capsys, "ask", str(idx), "Which room?", "--model", model_dir, "--json",
+                          "--max-new-tokens", "1")
+    assert code == 0, err
+    row = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in JSON output"))
+    assert row["stats"]["time_per_output_token_s"] is None and len(row["token_ids"]) == 1
+    code, out, _ = _run(capsys, "ask", str(idx), "Which room?", "--model", model_dir, "--max-new-tokens", "1")
+    assert code == 0 and "no decode step" in out
+    assert dumps({"x": float("nan"), "y": [np.float32(np.inf), 1.5]}) == '{"x": null, "y": [null, 1.5]}'
+
+
+def test_ask_finds_the_model_the_index_names(capsys, model_dir, doc_file, tmp_path):
+    """The index records an absolute model path; a moved model gets a message that says what to do, and
+    the fingerprint ignores where the weights live and what the files are called."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(model_dir, copy)
+    idx = tmp_path / "m.sqx"
+    os.chdir(tmp_path)   # a relative --model is recorded as an absolute path
+    try:
+        assert main(["index", str(doc_file), "-o", str(idx), "--model", "ckpt", "--json"]) == 0
+    finally:
+        os.chdir(Path(__file__).parent)
+    capsys.readouterr()
+    code, out, err = _run(capsys, "ask", str(idx), "Which room?", "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    copy.rename(tmp_path / "moved")
+    code, out, err = _run(capsys, "ask", str(idx), "Which room?", "--max-new-tokens", "2")
+    line = _error_line(err)
+    assert code == 2 and str(copy) in line and "pass --model with that model's path" in line
+    code, out, err = _run(capsys, "ask", str(idx), "Which room?", "--max-new-tokens", "2", "--json",
+                          "--model", str(tmp_path / "moved"))
+    assert code == 0, err
+
+
+def test_fingerprint_ignores_file_names_and_accepts_the_old_one(capsys, model_dir, doc_file, tmp_path):
+    model = sqjax.load_model(model_dir)
+    (weights,) = model.weight_files
+    renamed = tmp_path / "renamed.safetensors"
+    shutil.copy(weights, renamed)
+    other = dataclasses.replace(model, weight_files=(str(renamed),))
+    assert other.fingerprint == model.fingerprint and other.fingerprints[1] != model.fingerprints[1]
+    # an index written before the change recorded the v1 fingerprint: it still loads
+    ctx = FixedContext.build(model, DOC, sqjax.Squeezed(sparsity=0.8))
+    old = dataclasses.replace(model)
+    old.__dict__["fingerprint"] = model.fingerprints[1]
+    ctx.model = old
+    ctx.save(tmp_path / "old.sqx")
+    assert FixedContext.load(tmp_path / "old.sqx", model).n_tokens == ctx.n_tokens
+    # another model: both fingerprints named
+    stranger = dataclasses.replace(model)
+    stranger.__dict__["fingerprints"] = ("f" * 64,)
+    with pytest.raises(SqjaxError, match=r"fingerprint [0-9a-f]{12}…\) than this one \(fingerprint ffffffffffff…"):
+        FixedContext.load(tmp_path / "old.sqx", stranger)
 
 
 def test_demo_document_is_the_same_text_in_every_process():

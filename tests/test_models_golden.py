@@ -54,6 +54,10 @@ def test_load_is_fast_and_config_matches(smollm2, golden):
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert (c.vocab_size, c.rope_theta, c.max_position_embeddings, c.tie_word_embeddings) == (49152, 1e5, 8192, True)
     assert len(smollm2.fingerprint) == 64
+    # the "sqjax-model-v1" fingerprint (it hashed the weight file's name too) is still recognised: the
+    # committed SAAP classifier's run recorded it
+    run = json.loads((Path(__file__).parents[1] / "benchmarks/results/saap_classifier/run_config.json").read_text())
+    assert smollm2.fingerprints == (smollm2.fingerprint, run["model"]["fingerprint"])
 
 
 @pytest.mark.parametrize("name", PROMPTS)

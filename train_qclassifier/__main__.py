@@ -101,8 +101,10 @@ def _model_info(model) -> dict[str, Any]:
             "head_dim": c.head_dim, "max_position_embeddings": c.max_position_embeddings}
 
 
-def check_run_config(path: Path, new: dict[str, Any]) -> None:
-    """An existing run directory must have been made with the same data/model settings."""
+def check_run_config(path: Path, new: dict[str, Any], fingerprints: tuple[str, ...] = ()) -> None:
+    """An existing run directory must have been made with the same data/model settings.
+
+    fingerprints: every fingerprint the model answers to (`LoadedModel.fingerprints`); default the new one."""
     if not path.exists():
         return
     old = json.loads(path.read_text())
@@ -113,7 +115,7 @@ def check_run_config(path: Path, new: dict[str, Any]) -> None:
             continue
         if oc.get(k) != nc.get(k):
             diffs.append(f"{k}: run has {oc.get(k)!r}, now {nc.get(k)!r}")
-    if old.get("model", {}).get("fingerprint") != new["model"]["fingerprint"]:
+    if old.get("model", {}).get("fingerprint") not in (fingerprints or (new["model"]["fingerprint"],)):
         diffs.append("model fingerprint differs")
     if [d["digest"] for d in old.get("corpus", [])] != [d["digest"] for d in new["corpus"]]:
         diffs.append("training corpus differs")
@@ -172,7 +174,7 @@ def run(args) -> int:
 
     if not args.eval_only:
         out.mkdir(parents=True, exist_ok=True)
-        check_run_config(out / "run_config.json", run_config)
+        check_run_config(out / "run_config.json", run_config, model.fingerprints)
         if (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()) and not args.resume:
             raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose a new -o")
         data.save_json_atomic(out / "run_config.json", run_config)
