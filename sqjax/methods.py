@@ -294,7 +294,9 @@ class SnapKV(BudgetMethod):
 
     def build(self, data: ContextData):
         if data.q_obs.shape[2] < self.window:
-            raise ValueError(f"SnapKV needs the last {self.window} queries; got {data.q_obs.shape[2]}")
+            raise ValueError(f"SnapKV needs the queries of the last {self.window} tokens; got {data.q_obs.shape[2]} (a "
+                             "context prefilled for another method keeps max(100, its window)): build it for this "
+                             "method with FixedContext.build(model, document, method)")
         cap = self.capacity(data.length)
         keep = jnp.stack([
             snapkv.snapkv_keep(data.q_obs[i, :, -self.window:], data.k[i], cap, data.scale, self.kernel, self.pool)

@@ -583,6 +583,13 @@ def build_squeezed_index(
     check_same("layers", [("k", k.shape[0]), ("q_obs", q_obs.shape[0])])
     check_same("head dim", [("k", k.shape[-1]), ("q_obs", q_obs.shape[-1])])
     check_gqa(q_obs.shape[1], k.shape[1])
+    if q_obs.shape[2] < cfg.n_obs:
+        raise ValueError(
+            f"calibration needs the queries of the last n_obs = {cfg.n_obs} tokens; got {q_obs.shape[2]} (a context "
+            "prefilled for another method keeps max(100, its window)): build it for this method with "
+            "FixedContext.build(model, document, method)"
+        )
+    q_obs = q_obs[:, :, q_obs.shape[2] - cfg.n_obs:]   # App. C: the observation window is the exact tail
     layers = cluster_fixed_context(k, cfg)
     n_layers = k.shape[0]
     per_layer = [jax.tree.map(lambda a: a[i], layers) for i in range(n_layers)]
