@@ -74,6 +74,19 @@ def file_digest(path: str | Path) -> str:
     return _file_digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
+def check_token_ids(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """`ids` as int32 once they are integers in [0, vocab_size) (a float or out-of-range id would be
+    cast, wrapped or read as padding without a word)."""
+    ids = np.asarray(ids)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers; got dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}); got {bad[:4].tolist()}"
+                         + (f" and {bad.size - 4} more" if bad.size > 4 else ""))
+    return ids.astype(np.int32)
+
+
 @dataclasses.dataclass(eq=False)
 class LoadedModel:
     """A loaded model: ``nnx.split`` parts, config, tokenizer and a content fingerprint.
@@ -139,8 +152,7 @@ class LoadedModel:
         ids = np.asarray(input_ids)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        ids = check_token_ids(ids, self.config.vocab_size)
         B, T = ids.shape
         Tp = -(-T // _CALL_BUCKET) * _CALL_BUCKET
         padded = np.zeros((B, Tp), np.int32)

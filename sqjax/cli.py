@@ -159,26 +159,16 @@ def cmd_demo(args) -> int:
 def _check_index_paths(doc_path: Path, out: Path) -> None:
     """The document is a readable file and -o names a file that may be written, before any work."""
     from sqjax.fixed_context import SqjaxError
-    from sqjax.index_io import IndexFileError, read_header
+    from sqjax.index_io import check_index_target
 
     if doc_path.is_dir():
         raise SqjaxError(f"document {str(doc_path)!r} is a directory; give a text file")
     if not doc_path.is_file():
         raise SqjaxError(f"document {str(doc_path)!r} not found")
-    if out.is_dir():
-        raise SqjaxError(f"-o {str(out)!r} is a directory; give a file path such as {str(out / (doc_path.stem + '.sqx'))!r}")
-    if not (out.parent if str(out.parent) else Path(".")).is_dir():
-        raise SqjaxError(f"output directory {str(out.parent)!r} does not exist; create it first")
-    if out.exists():
-        if out.resolve() == doc_path.resolve():
-            raise SqjaxError(f"-o {str(out)!r} is the document itself; give the index another name, such as "
-                             f"{str(out.with_suffix('.sqx'))!r}")
-        try:
-            read_header(out)
-        except (IndexFileError, OSError):
-            if out.suffix != ".sqx":  # a damaged .sqx is rebuilt in place; any other file is the user's
-                raise SqjaxError(f"{str(out)!r} exists and is not a sqjax index, so it is not overwritten; "
-                                 "delete it or give -o another path") from None
+    if out.exists() and out.resolve() == doc_path.resolve():
+        raise SqjaxError(f"-o {str(out)!r} is the document itself; give the index another name, such as "
+                         f"{str(out.with_suffix('.sqx'))!r}")
+    check_index_target(out)
 
 
 def cmd_index(args) -> int:

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import numbers
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,21 @@ _BUCKET = 16  # question lengths are left-padded to a multiple of this (fewer co
 
 class SqjaxError(ValueError):
     """A user-facing error: the message says what went wrong and what to do."""
+
+
+def _check_text(what: str, text) -> None:
+    """A document, question or text to score: a str with something in it."""
+    if not isinstance(text, str):
+        hint = " (decode it first)" if isinstance(text, (bytes, bytearray)) else ""
+        raise SqjaxError(f"{what} must be a str; got {type(text).__name__}{hint}")
+    if not text.strip():
+        raise SqjaxError(f"{what} is empty: " + ("pass a text file with content" if what == "the document" else "ask something"))
+
+
+def _check_method(method) -> None:
+    if not isinstance(method, Method):
+        raise SqjaxError(f"method must be a sqjax.methods.Method such as sqjax.Squeezed(sparsity=0.9); got {method!r} "
+                         f"({type(method).__name__})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,9 +288,11 @@ class FixedContext:
         reserve: tokens kept free in the model's context for questions and answers.
         truncate: keep the start of an over-long document instead of failing.
         """
-        method = method or method_from_name("squeezed")
-        if not isinstance(document, str) or not document.strip():
-            raise SqjaxError("the document is empty: pass a text file with content")
+        method = method_from_name("squeezed") if method is None else method
+        _check_method(method)
+        _check_text("the document", document)
+        if not (isinstance(reserve, numbers.Integral) and 0 <= reserve < model.config.max_position_embeddings):
+            raise SqjaxError(f"reserve must be an int in [0, {model.config.max_position_embeddings}); got {reserve!r}")
         prefix, suffix_template = cls._split_template(model, document, chat)
         tok = model.tokenizer
         ids = np.asarray(tok.encode(prefix, add_bos=False if chat else None), np.int32)
@@ -316,6 +334,7 @@ class FixedContext:
 
     def with_method(self, method: Method) -> "FixedContext":
         """The same prefilled document indexed for another method (no new prefill)."""
+        _check_method(method)
         if type(method).build is Method.build:  # full, StreamingLLM, oracle: nothing built from the K/V
             index, info = method.build(None)
         else:
@@ -396,22 +415,26 @@ class FixedContext:
         return dataclasses.replace(self.index, capacity=self.index.n_sink + self.index.n_tail + self.n_tokens)
 
     def _question_ids(self, question: str) -> np.ndarray:
-        if not isinstance(question, str) or not question.strip():
-            raise SqjaxError("the question is empty: ask something")
+        _check_text("the question", question)
         text = self.suffix_template.format(question=question)
         return np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
 
-    def check_questions(self, questions, max_new_tokens: int = 64) -> list[np.ndarray]:
-        """Token ids of each question's prompt, once every question is known to fit: non-empty, and
-        document + question + max_new_tokens within the model's context (questions counted from 1)."""
-        if max_new_tokens < 1:
-            raise SqjaxError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    def check_questions(self, questions, max_new_tokens: int = 64, temperature: float = 0.0,
+                        top_p: float = 1.0) -> list[np.ndarray]:
+        """Token ids of each question's prompt, once the request is known to be valid: every question a
+        non-empty str, document + question + max_new_tokens within the model's context (questions
+        counted from 1), max_new_tokens an int >= 1, temperature finite >= 0, 0 < top_p <= 1."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise SqjaxError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+            raise SqjaxError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature!r}")
+        if not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
+            raise SqjaxError(f"top_p must lie in (0, 1]; got {top_p!r}")
         if isinstance(questions, str) or not len(questions):
             raise SqjaxError("ask_many takes a non-empty list of questions (ask() takes one string)")
         which = (lambda i: f"question {i + 1} of {len(questions)}") if len(questions) > 1 else (lambda i: "the question")
         for i, q in enumerate(questions):
-            if len(questions) > 1 and (not isinstance(q, str) or not q.strip()):
-                raise SqjaxError(f"{which(i)} is empty: ask something")
+            _check_text(which(i), q)
         q_ids = [self._question_ids(q) for q in questions]
         limit = self.model.config.max_position_embeddings
         for i, ids in enumerate(q_ids):
@@ -443,7 +466,8 @@ class FixedContext:
         are the batch's (one step produces a token for every row). With sampling (temperature > 0)
         one key per step serves all rows, so a row's draws depend on the batch it is in.
         """
-        q_ids = self.check_questions(questions, max_new_tokens)
+        questions = questions if isinstance(questions, str) else list(questions)   # any iterable of str
+        q_ids = self.check_questions(questions, max_new_tokens, temperature, top_p)
         tok_dec = self.model.tokenizer
         stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
         padded = _left_pad(q_ids)                                  # [B, T], -1 = padding
@@ -535,8 +559,7 @@ class FixedContext:
 
     def score(self, text: str) -> np.ndarray:
         """Log-probs [n] of the tokens of `text` following the document (one sparse prefill block)."""
-        if not isinstance(text, str) or not text:
-            raise SqjaxError("the text to score is empty")
+        _check_text("the text to score", text)
         ids = np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
         return self.score_ids(ids)
 
@@ -547,9 +570,15 @@ class FixedContext:
         one sparse prefill block over ids[:-1] (the method's block lookup, e.g. Eq. 1 averaged
         over the block); mode="decode": token by token, one lookup per token (generation).
         """
-        ids = np.asarray(ids, np.int32)
+        ids = np.asarray(ids)
         if ids.ndim != 1 or len(ids) == 0:
             raise SqjaxError(f"ids must be a non-empty 1-D array; got shape {ids.shape}")
+        from models.registry import check_token_ids
+
+        try:
+            ids = check_token_ids(ids, self.model.config.vocab_size)
+        except ValueError as e:
+            raise SqjaxError(str(e)) from None
         if mode not in ("prefill", "decode"):
             raise SqjaxError(f"mode must be 'prefill' or 'decode'; got {mode!r}")
         if self.n_tokens + len(ids) > self.model.config.max_position_embeddings:

@@ -151,9 +151,30 @@ def write_atomic(path: str | os.PathLike, write_fn) -> None:
         raise
 
 
+def check_index_target(path) -> None:
+    """`path` may receive an index: not a directory, in a directory that exists, and not a file of
+    the user's -- an existing file is overwritten only if it is a sqjax index, or named ``*.sqx``
+    (a damaged index is rebuilt in place)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a directory; give a file path such as {str(path / 'doc.sqx')!r}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"output directory {str(parent)!r} does not exist; create it first")
+    if path.exists() and path.suffix != ".sqx":
+        try:
+            read_header(path)
+        except (IndexFileError, OSError):
+            raise FileExistsError(f"{str(path)!r} exists and is not a sqjax index, so it is not overwritten; "
+                                  "delete it or write the index to another path") from None
+
+
 def save_index(path, tree, header: dict) -> None:
-    """Write `tree` (the index pytree) and `header` (JSON-able facts) atomically to `path`."""
+    """Write `tree` (the index pytree) and `header` (JSON-able facts) atomically to `path`
+    (`check_index_target` first: nothing but an index is ever overwritten)."""
     from safetensors.numpy import save_file
+
+    check_index_target(path)
 
     arrays: dict = {}
     structure = _encode(jax.device_get(tree), arrays, "")

@@ -253,6 +253,50 @@ def test_empty_document_and_question(model, full_ctx):
         full_ctx.ask("hi", max_new_tokens=0)
 
 
+def test_wrong_types_and_values_say_what_they_are(model, full_ctx, tmp_path):
+    """Types and ranges are checked before any work, each message naming the argument and what it got."""
+    for doc, message in [(b"bytes", "the document must be a str; got bytes \\(decode it first\\)"),
+                         (None, "the document must be a str; got NoneType")]:
+        with pytest.raises(SqjaxError, match=message):
+            FixedContext.build(model, doc, Full())
+    for method in ("squeezed", Squeezed):
+        with pytest.raises(SqjaxError, match="method must be a sqjax.methods.Method"):
+            FixedContext.build(model, DOC, method)
+        with pytest.raises(SqjaxError, match="method must be a sqjax.methods.Method"):
+            full_ctx.with_method(method)
+    with pytest.raises(SqjaxError, match="reserve must be an int in"):
+        FixedContext.build(model, DOC, Full(), reserve=-200)
+    with pytest.raises(SqjaxError, match="the question must be a str; got int"):
+        full_ctx.ask(5)
+    with pytest.raises(SqjaxError, match="question 2 of 2 must be a str; got int"):
+        full_ctx.ask_many(["Which aisle?", 5])
+    for kwargs, message in [({"max_new_tokens": 2.0}, "max_new_tokens must be an int >= 1; got 2.0"),
+                            ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+                            ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+                            ({"top_p": 0.0}, "top_p must lie in \\(0, 1\\]"),
+                            ({"top_p": 1.5}, "top_p must lie in \\(0, 1\\]")]:
+        with pytest.raises(SqjaxError, match=message):
+            full_ctx.ask("Which aisle?", **kwargs)
+    # any iterable of questions, a generator included
+    a = full_ctx.ask_many((q for q in ["Which aisle?"]), max_new_tokens=2, stop_ids=())
+    assert a[0].token_ids == full_ctx.ask("Which aisle?", max_new_tokens=2, stop_ids=()).token_ids
+    vocab = model.config.vocab_size
+    for ids, message in [([100, vocab + 5, 101], rf"token ids must lie in \[0, {vocab}\); got \[{vocab + 5}\]"),
+                         ([100, -1, 101], r"got \[-1\]"), (np.array([100.7, 101.0]), "must be integers; got dtype float64")]:
+        with pytest.raises(SqjaxError, match=message):
+            full_ctx.score_ids(ids)
+    with pytest.raises(SqjaxError, match="the text to score must be a str; got bytes"):
+        full_ctx.score(b"x")
+    # an index is written over nothing but an index: the document and other files stay as they were
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    with pytest.raises(FileExistsError, match="exists and is not a sqjax index, so it is not overwritten"):
+        full_ctx.save(mine)
+    with pytest.raises(IsADirectoryError, match="is a directory; give a file path"):
+        full_ctx.save(tmp_path)
+    assert mine.read_text() == "mine" and not list(tmp_path.glob(".*.tmp"))
+
+
 def test_document_longer_than_context():
     small = tiny_model(max_positions=512)
     with pytest.raises(SqjaxError, match=r"the document is \d+ tokens but tiny-llama holds 512 .* (\d+) tokens too many.*truncate"):
