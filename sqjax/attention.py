@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from sqjax._checks import check_gqa, check_rank, check_same
+from sqjax._checks import check_gqa, check_rank, check_same, shape_of
 
 
 class Partial(NamedTuple):
@@ -53,12 +54,18 @@ def attend_partial(
     check_same("head dim", [("q", d), ("k", k.shape[-1]), ("v", v.shape[-1])])
     check_same("KV length", [("k", s), ("v", v.shape[1])])
     g = check_gqa(hq, hkv)
-    qg = q.astype(jnp.float32).reshape(hkv, g, t, d)
-    scores = jnp.einsum("kgtd,ksd->kgts", qg, k.astype(jnp.float32)) * scale
     if mask is not None:
         check_rank("mask", mask, 3, "[H, T, S]")
         if mask.shape[-1] != s:
             raise ValueError(f"mask covers {mask.shape[-1]} keys but k has {s} (mask {mask.shape}, k {k.shape})")
+        if mask.shape[0] not in (1, hkv, hq) or mask.shape[1] not in (1, t):
+            raise ValueError(f"mask must have shape [H, T, S] with H in (1, Hkv={hkv}, Hq={hq}) and T in (1, {t}); "
+                             f"got mask {shape_of(mask)}, q {shape_of(q)}, k {shape_of(k)}")
+    if s == 0:  # no key at all: nothing visible
+        return Partial(jnp.zeros((hq, t, d), jnp.float32), jnp.full((hq, t), -jnp.inf, jnp.float32))
+    qg = q.astype(jnp.float32).reshape(hkv, g, t, d)
+    scores = jnp.einsum("kgtd,ksd->kgts", qg, k.astype(jnp.float32)) * scale
+    if mask is not None:
         m = expand_heads(mask, hq).reshape(hkv, g, mask.shape[1], s)
         scores = jnp.where(m, scores, -jnp.inf)
     mx = jnp.max(scores, axis=-1, keepdims=True)
@@ -82,6 +89,14 @@ def merge_partials(*parts: Partial) -> Partial:
     return Partial(o, lse)
 
 
+def _check_positions(q, k, q_pos, kv_pos, k_name: str) -> None:
+    """q_pos [T] for q [Hq, T, d] and kv_pos [S] for the keys k [Hkv, S, d]."""
+    check_rank("q_pos", q_pos, 1, "[T]")
+    check_rank("kv_pos", kv_pos, 1, "[S]")
+    check_same("query tokens", [("q", np.shape(q)[1]), ("q_pos", np.shape(q_pos)[0])])
+    check_same("keys", [(k_name, np.shape(k)[1]), ("kv_pos", np.shape(kv_pos)[0])])
+
+
 def causal_mask(q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
     """[1, T, S] bool: key visible iff 0 <= kv_pos <= q_pos (kv_pos = −1 marks an empty slot)."""
     return ((kv_pos[None, :] >= 0) & (kv_pos[None, :] <= q_pos[:, None]))[None]
@@ -99,6 +114,9 @@ def fixed_context_attention(
     scale: float,
 ) -> jax.Array:
     """Exact attention over the retrieved fixed keys ∪ the causal user-input keys.  -> [Hq, T, d]."""
+    check_rank("q", q, 3, "[Hq, T, d]")
+    check_rank("k_new", k_new, 3, "[Hkv, S, d]")
+    _check_positions(q, k_new, q_pos, kv_pos, "k_new")
     fixed = attend_partial(q, k_fixed, v_fixed, fixed_mask, scale)
     new = attend_partial(q, k_new, v_new, causal_mask(q_pos, kv_pos), scale)
     return merge_partials(fixed, new).o.astype(q.dtype)
@@ -108,4 +126,7 @@ def dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, scale: float
 ) -> jax.Array:
     """Plain causal attention over one key set by positions.  q [Hq,T,d], k/v [Hkv,S,d] -> [Hq,T,d]."""
+    check_rank("q", q, 3, "[Hq, T, d]")
+    check_rank("k", k, 3, "[Hkv, S, d]")
+    _check_positions(q, k, q_pos, kv_pos, "k")
     return attend_partial(q, k, v, causal_mask(q_pos, kv_pos), scale).o.astype(q.dtype)

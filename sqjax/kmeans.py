@@ -18,9 +18,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sqjax._checks import check_float, check_rank
+from sqjax._checks import check_choice, check_count, check_float, check_rank
 
 _EPS = 1e-12
+INITS = ("kmeans++", "random")  # `KMeansConfig.init`
 
 # jax.jit compiler_options of the clustering programs with `KMeansConfig(deterministic=True)`:
 # on GPU, XLA's scatter-adds (the centroid sums) accumulate in whatever order the threads arrive,
@@ -67,16 +68,13 @@ class KMeansConfig:
     deterministic: bool = False
 
     def __post_init__(self):
-        if self.n_clusters < 1:
-            raise ValueError(f"n_clusters must be >= 1; got {self.n_clusters}")
-        if self.max_iters < 0:
-            raise ValueError(f"max_iters must be >= 0; got {self.max_iters}")
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1; got {self.chunk}")
+        check_count("n_clusters", self.n_clusters, 1)
+        check_count("max_iters", self.max_iters, 0)
+        check_count("chunk", self.chunk, 1)
+        check_count("seed", self.seed, 0)
         if self.seed_pool_per_centroid < 1 or self.seed_pool_min < 1:
             raise ValueError(f"seed pool sizes must be >= 1; got {self.seed_pool_per_centroid}, {self.seed_pool_min}")
-        if self.init not in ("kmeans++", "random"):
-            raise ValueError(f"init must be 'kmeans++' or 'random'; got {self.init!r}")
+        check_choice("init", self.init, INITS)
 
 
 class KMeansResult(NamedTuple):
@@ -228,8 +226,8 @@ def spherical_kmeans(x: jax.Array, cfg: KMeansConfig) -> KMeansResult:
     Assignment maximises cosine similarity; k-means++ seeding draws with D² = 2 − 2cos.
     Returns centroids as means of the un-normalised points (Squeezed Attention §3.1).
     """
-    if x.ndim < 2:
-        raise ValueError(f"x must have shape [..., N, d]; got shape {tuple(x.shape)}")
+    if x.ndim < 2 or x.shape[-1] < 1:
+        raise ValueError(f"x must have shape [..., N, d] with d >= 1; got shape {tuple(x.shape)}")
     check_float("x", x)
     _check_enough_points(cfg.n_clusters, "x", x)
     # the seed is traced, so configs that differ only in seed share one compilation

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from sqjax import baselines, quest, saap, snapkv, squeezed
-from sqjax._checks import check_fraction, check_rank
+from sqjax._checks import check_choice, check_count, check_fraction, check_rank
 from sqjax.selection import Buckets, Pages, Selection, dense_selection, from_mask
 
 
@@ -65,8 +65,7 @@ class Method:
     dense_layers: int = 0
 
     def __post_init__(self):
-        if self.dense_layers < 0:
-            raise ValueError(f"dense_layers must be >= 0; got {self.dense_layers}")
+        check_count("dense_layers", self.dense_layers, 0)
 
     def build(self, data: ContextData):
         return None, {}
@@ -243,6 +242,11 @@ class Quest(BudgetMethod):
     vote: str = "kv"
     dense_layers: int = 2
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_count("page", self.page, 1)
+        check_choice("vote", self.vote, squeezed.VOTES)
+
     def build(self, data: ContextData):
         kmin, kmax = jax.vmap(lambda k: quest.page_bounds(k, self.page))(data.k)
         return {"kmin": kmin, "kmax": kmax}, {}
@@ -284,10 +288,9 @@ class SnapKV(BudgetMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1; got {self.window}")
-        if self.pool not in snapkv.POOLS:
-            raise ValueError(f"pool must be one of {snapkv.POOLS}; got {self.pool!r}")
+        check_count("window", self.window, 1)
+        snapkv.check_kernel(self.kernel)
+        check_choice("pool", self.pool, snapkv.POOLS)
 
     def capacity(self, length: int) -> int:
         return max(self.window, min(length, round(self.budget * length)))
@@ -318,11 +321,26 @@ class StreamingLLM(BudgetMethod):
     name: ClassVar[str] = "streaming"
     n_sink: int = 4
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_count("n_sink", self.n_sink, 0)
+
+    def n_recent(self, length: int) -> int:
+        """The recent window at context length `length`: the budget's tokens after the sink (which
+        must fit in them: a sink past the budget would attend more than the label says)."""
+        n = _budget_tokens(self.budget, length)
+        if self.n_sink > n:
+            raise ValueError(f"n_sink ({self.n_sink}) exceeds the budget: budget {self.budget:g} of the {length}-token "
+                             f"fixed context is {n} tokens; use a smaller n_sink or a larger budget")
+        return n - self.n_sink
+
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]
-        n_recent = max(0, _budget_tokens(self.budget, length) - self.n_sink)
-        mask = baselines.streaming_mask(length, self.n_sink, n_recent)
+        mask = baselines.streaming_mask(length, self.n_sink, self.n_recent(length))
         return from_mask(jnp.broadcast_to(mask, (k_fixed.shape[0], 1, length)))
+
+    def expected_budget(self, length: int) -> float:
+        return (self.n_sink + self.n_recent(length)) / length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +350,11 @@ class Oracle(BudgetMethod):
     name: ClassVar[str] = "oracle"
     n_tail: int = 100
     vote: str = "kv"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_count("n_tail", self.n_tail, 0)
+        check_choice("vote", self.vote, squeezed.VOTES)
 
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]
@@ -372,12 +395,16 @@ class Saap(Method):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.probes < 1:
-            raise ValueError(f"probes must be >= 1; got {self.probes}")
+        check_count("probes", self.probes, 1)
+        check_count("n_buckets", self.n_buckets, 1, optional=True)
+        check_count("n_sink", self.n_sink, 0)
+        check_count("n_recent", self.n_recent, 0, optional=True)
+        check_count("kmeans_iters", self.kmeans_iters, 0)
+        check_count("seed", self.seed, 0)
 
     def sizes(self, length: int) -> tuple[int, int]:
         c, r = saap_defaults(length)
-        return self.n_buckets or c, r if self.n_recent is None else self.n_recent
+        return c if self.n_buckets is None else self.n_buckets, r if self.n_recent is None else self.n_recent
 
     def build(self, data: ContextData):
         from sqjax.kmeans import KMeansConfig, spherical_kmeans
@@ -396,6 +423,10 @@ class Saap(Method):
             unit = assigner.unit_centroids  # [layers, Hkv, C, d] trained offline
             c = unit.shape[2]
         else:
+            if c > data.length:
+                default = " (the default for this length)" if self.n_buckets is None else ""
+                raise ValueError(f"SAAP's k-means needs at least as many fixed-context tokens as buckets: n_buckets={c}"
+                                 f"{default} > {data.length} tokens; use a longer document or a smaller n_buckets")
             km = [spherical_kmeans(data.k_pre[i], KMeansConfig(c, self.kmeans_iters, seed=self.seed + i,
                                                                deterministic=self.deterministic_build))
                   for i in range(data.n_layers)]

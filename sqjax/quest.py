@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from sqjax._checks import check_gqa, check_rank, check_same
+from sqjax._checks import check_choice, check_count, check_float, check_gqa, check_rank, check_same, shape_of
 from sqjax.selection import topk_mask
+from sqjax.squeezed import VOTES
 
 
 def page_bounds(k: jax.Array, page: int = 16) -> tuple[jax.Array, jax.Array]:
@@ -27,8 +29,8 @@ def page_bounds(k: jax.Array, page: int = 16) -> tuple[jax.Array, jax.Array]:
     request that failed at 32 KV heads x 512K on an 80 GB H100 (gpu_h100_suite_1f6c886/llama2_oom).
     """
     check_rank("k", k, 3, "[Hkv, L, d]")
-    if page < 1:
-        raise ValueError(f"page must be >= 1; got {page}")
+    check_float("k", k)  # the ±inf padding of a ragged page needs a float dtype
+    check_count("page", page, 1)
     hkv, length, d = k.shape
     n_pages = -(-length // page)
     pad = n_pages * page - length
@@ -45,17 +47,15 @@ def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, vote: str = "kv"
     """Upper bound U per (selection head, token, page).  q [Hq, T, d] -> [Hs, T, P] f32."""
     check_rank("q", q, 3, "[Hq, T, d]")
     check_rank("kmin", kmin, 3, "[Hkv, P, d]")
+    check_same("page bounds shape", [("kmin", shape_of(kmin)), ("kmax", shape_of(kmax))])
     check_same("head dim", [("q", q.shape[-1]), ("kmin", kmin.shape[-1])])
+    check_choice("vote", vote, VOTES)
     hq, t, d = q.shape
     hkv = kmin.shape[0]
     g = check_gqa(hq, hkv)
     qg = q.astype(jnp.float32).reshape(hkv, g, t, 1, d)
     u = jnp.sum(jnp.maximum(qg * kmax[:, None, None], qg * kmin[:, None, None]), axis=-1)  # [Hkv,g,T,P]
-    if vote == "kv":
-        return jnp.max(u, axis=1)
-    if vote == "q":
-        return u.reshape(hq, t, -1)
-    raise ValueError(f"vote must be 'kv' or 'q'; got {vote!r}")
+    return jnp.max(u, axis=1) if vote == "kv" else u.reshape(hq, t, -1)
 
 
 def select_pages(scores: jax.Array, n_pages: int, forced_page: int | None) -> jax.Array:
@@ -69,5 +69,10 @@ def select_pages(scores: jax.Array, n_pages: int, forced_page: int | None) -> ja
 
 
 def pages_to_keys(page_mask: jax.Array, length: int, page: int = 16) -> jax.Array:
-    """Expand a page mask [..., P] to a key mask [..., L]."""
+    """Expand a page mask [..., P] to a key mask [..., L] (P = ceil(L / page))."""
+    check_count("page", page, 1)
+    check_count("length", length, 0)
+    if np.ndim(page_mask) < 1 or page_mask.shape[-1] != -(-length // page):
+        raise ValueError(f"page_mask must have shape [..., P] with P = ceil(L / page) = {-(-length // page)} "
+                         f"(L={length}, page={page}); got shape {shape_of(page_mask)}")
     return jnp.repeat(page_mask, page, axis=-1)[..., :length]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sqjax._checks import check_gqa, check_rank
+from sqjax._checks import check_gqa, check_rank, check_same
 from sqjax.kmeans import assign, normalize
 from sqjax.selection import topk_mask
 from sqjax.squeezed import cluster_layout
@@ -27,6 +27,8 @@ def assign_keys(k_pre: jax.Array, unit_centroids: jax.Array, chunk: int = 4096) 
     heads × 512K) does not fit beside the context on an 80 GB GPU."""
     check_rank("k_pre", k_pre, 3, "[Hkv, N, d]")
     check_rank("unit_centroids", unit_centroids, 3, "[Hkv, C, d]")
+    check_same("KV heads", [("k_pre", k_pre.shape[0]), ("unit_centroids", unit_centroids.shape[0])])
+    check_same("head dim", [("k_pre", k_pre.shape[-1]), ("unit_centroids", unit_centroids.shape[-1])])
     return jax.vmap(lambda x, c: assign(x, normalize(c), chunk, prep=normalize))(k_pre, unit_centroids)
 
 
@@ -39,6 +41,8 @@ def inverted_lists(labels: jax.Array, n_buckets: int) -> tuple[jax.Array, jax.Ar
 def nearest_centroid_scores(q_pre: jax.Array, unit_centroids: jax.Array) -> jax.Array:
     """Nearest-centroid assigner: Σ over the group of cos(q_h, c_b).  q_pre [Hq,T,d] -> [Hkv, T, C]."""
     check_rank("q_pre", q_pre, 3, "[Hq, T, d]")
+    check_rank("unit_centroids", unit_centroids, 3, "[Hkv, C, d]")
+    check_same("head dim", [("q_pre", q_pre.shape[-1]), ("unit_centroids", unit_centroids.shape[-1])])
     hq, t, d = q_pre.shape
     hkv = unit_centroids.shape[0]
     g = check_gqa(hq, hkv)

@@ -13,10 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sqjax._checks import check_gqa, check_rank, check_same
+from sqjax._checks import check_choice, check_count, check_gqa, check_rank, check_same
 from sqjax.selection import topk_mask
 
 POOLS = ("max", "avg")
+
+
+def check_kernel(kernel: int) -> None:
+    """The pooling kernel: a positive odd int (a window centred on each position)."""
+    check_count("kernel", kernel, 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (a window centred on each position); got {kernel}")
 
 
 def window_votes(q_win: jax.Array, k: jax.Array, scale: float) -> jax.Array:
@@ -37,9 +44,9 @@ def window_votes(q_win: jax.Array, k: jax.Array, scale: float) -> jax.Array:
 
 
 def pool1d(x: jax.Array, kernel: int, pool: str) -> jax.Array:
-    """Stride-1 pooling along the last axis with padding kernel//2 (length preserved for odd kernels)."""
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS}; got {pool!r}")
+    """Stride-1 pooling along the last axis with padding kernel//2 (odd `kernel`: length preserved)."""
+    check_kernel(kernel)
+    check_choice("pool", pool, POOLS)
     pad = kernel // 2
     if pool == "max":
         xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], constant_values=-jnp.inf)
@@ -59,6 +66,8 @@ def snapkv_keep(
     pool: str = "max",
 ) -> jax.Array:
     """Kept positions per KV head (exactly `capacity` of them).  -> bool [Hkv, L]."""
+    check_rank("q_win", q_win, 3, "[Hq, w, d]")
+    check_rank("k", k, 3, "[Hkv, L, d]")
     hq, w, _ = q_win.shape
     hkv, length, _ = k.shape
     if not w <= capacity <= length:

@@ -229,3 +229,14 @@ def test_assign_chunk_caps_the_similarity_block():
     c = assign_chunk(32, 26209)                                             # Llama-2-7B at 512K
     assert c == 1280 and c % 64 == 0 and 4 * 32 * c * 26209 <= ASSIGN_BLOCK_BYTES < 4 * 32 * (c + 64) * 26209
     assert assign_chunk(1024, 1 << 20) == 256 and assign_chunk(1, 1, chunk=96) == 96
+
+
+def test_empty_feature_axis_and_config_types():
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., N, d\] with d >= 1; got shape \(10, 0\)"):
+        spherical_kmeans(jnp.zeros((10, 0)), KMeansConfig(2))
+    for kw, msg in [({"n_clusters": 2.0}, r"n_clusters must be an integer >= 1; got 2.0 \(float\)"),
+                    ({"n_clusters": 2, "seed": -1}, "seed must be >= 0; got -1"),
+                    ({"n_clusters": 2, "max_iters": -1}, "max_iters must be >= 0; got -1"),
+                    ({"n_clusters": 2, "init": "x"}, r"init must be one of \('kmeans\+\+', 'random'\); got 'x'")]:
+        with pytest.raises(ValueError, match=msg):
+            KMeansConfig(**kw)

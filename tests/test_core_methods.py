@@ -313,3 +313,125 @@ def test_method_errors():
         ContextData(jnp.zeros((1, 6, 4)), jnp.zeros((1, 6, 4)), jnp.zeros((1, 1, 2, 4)))
     with pytest.raises(ValueError, match="de-roped keys"):
         Saap().build(ContextData(jnp.zeros((1, 1, 6, 4)), jnp.zeros((1, 1, 6, 4)), jnp.zeros((1, 1, 2, 4))))
+
+
+# --------------------------------------------------------------------------------- input checks
+
+def test_attention_of_an_empty_key_set_is_zero_with_lse_minus_inf(rng):
+    q, k, v = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in [(4, 2, 8), (2, 5, 8), (2, 5, 8)])
+    p = attend_partial(q, k[:, :0], v[:, :0], None, 0.3)
+    assert p.o.shape == (4, 2, 8) and np.all(np.asarray(p.o) == 0) and np.all(np.isneginf(np.asarray(p.lse)))
+    p = attend_partial(q, k[:, :0], v[:, :0], jnp.ones((1, 2, 0), bool), 0.3)
+    assert np.all(np.isneginf(np.asarray(p.lse)))
+    # no user-input keys: the fixed part alone
+    pos = jnp.arange(2) + 5
+    got = fixed_context_attention(q, k, v, None, k[:, :0], v[:, :0], pos, jnp.zeros((0,), jnp.int32), 0.3)
+    want = merge_partials(attend_partial(q, k, v, None, 0.3)).o
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_attention_token_and_position_shape_errors():
+    q, k = jnp.zeros((4, 2, 8)), jnp.zeros((2, 5, 8))
+    with pytest.raises(ValueError, match=r"T in \(1, 2\); got mask \(1, 3, 5\), q \(4, 2, 8\)"):
+        attend_partial(q, k, k, jnp.ones((1, 3, 5), bool), 1.0)
+    with pytest.raises(ValueError, match=r"H in \(1, Hkv=2, Hq=4\)"):
+        attend_partial(q, k, k, jnp.ones((3, 1, 5), bool), 1.0)
+    with pytest.raises(ValueError, match="inconsistent query tokens: q=2, q_pos=3"):
+        fixed_context_attention(q, k, k, None, k[:, :3], k[:, :3], jnp.arange(3), jnp.arange(3), 1.0)
+    with pytest.raises(ValueError, match="inconsistent keys: k_new=3, kv_pos=4"):
+        fixed_context_attention(q, k, k, None, k[:, :3], k[:, :3], jnp.arange(2), jnp.arange(4), 1.0)
+    with pytest.raises(ValueError, match="inconsistent query tokens: q=2, q_pos=1"):
+        dense_attention(q, k, k, jnp.arange(1), jnp.arange(5), 1.0)
+
+
+def test_quest_input_errors():
+    with pytest.raises(ValueError, match="k must be a floating dtype.*got int32"):
+        quest.page_bounds(jnp.ones((2, 40, 8), jnp.int32), 16)
+    kmin = jnp.zeros((2, 4, 8))
+    with pytest.raises(ValueError, match=r"inconsistent page bounds shape: kmin=\(2, 4, 8\), kmax=\(2, 5, 8\)"):
+        quest.page_scores(jnp.zeros((4, 1, 8)), kmin, jnp.zeros((2, 5, 8)))
+    with pytest.raises(ValueError, match="vote must be one of"):
+        quest.page_scores(jnp.zeros((4, 1, 8)), kmin, kmin, "x")
+    with pytest.raises(ValueError, match=r"P = ceil\(L / page\) = 7 \(L=100, page=16\); got shape \(2, 3\)"):
+        quest.pages_to_keys(jnp.ones((2, 3), bool), 100, 16)
+    assert quest.pages_to_keys(jnp.ones((2, 7), bool), 100, 16).shape == (2, 100)
+
+
+def test_saap_and_snapkv_input_errors():
+    with pytest.raises(ValueError, match="inconsistent head dim: k_pre=8, unit_centroids=4"):
+        saap.assign_keys(jnp.ones((2, 10, 8)), jnp.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="inconsistent KV heads: k_pre=2, unit_centroids=1"):
+        saap.assign_keys(jnp.ones((2, 10, 8)), jnp.ones((1, 3, 8)))
+    with pytest.raises(ValueError, match="inconsistent head dim: q_pre=8, unit_centroids=4"):
+        saap.nearest_centroid_scores(jnp.ones((2, 1, 8)), jnp.ones((2, 3, 4)))
+    for kernel, msg in [(6, "kernel must be odd"), (0, "kernel must be >= 1; got 0"), (7.0, "kernel must be an integer")]:
+        with pytest.raises(ValueError, match=msg):
+            snapkv.pool1d(jnp.ones((2, 10)), kernel, "max")
+
+
+def test_baselines_input_errors_and_tail_clamp(rng):
+    q = jnp.asarray(rng.normal(size=(4, 2, 8)).astype(np.float32))
+    k = jnp.asarray(rng.normal(size=(2, 40, 8)).astype(np.float32))
+    with pytest.raises(ValueError, match="vote must be one of .*got 'x'"):
+        baselines.true_attention(q, k, 0.5, "x")
+    with pytest.raises(ValueError, match=r"q must have shape \[Hq, T, d\]"):
+        baselines.true_attention(q[:, 0], k, 0.5, "kv")
+    with pytest.raises(ValueError, match="inconsistent head dim: q=8, k=4"):
+        baselines.true_attention(q, k[..., :4], 0.5, "kv")
+    with pytest.raises(ValueError, match="n_tail must be >= 0; got -1"):
+        baselines.oracle_topk_mask(q, k, 0.5, 5, -1, "kv")
+    m = np.asarray(baselines.oracle_topk_mask(q, k, 0.5, 5, 100, "kv"))  # a tail past L: the whole context
+    assert m.shape == (2, 2, 40) and m.all()
+    with pytest.raises(ValueError, match="n_recent must be >= 0"):
+        baselines.streaming_mask(50, 4, -1)
+
+
+def test_method_field_errors():
+    cases = [
+        (lambda: StreamingLLM(n_sink=-1), "n_sink must be >= 0; got -1"),
+        (lambda: Oracle(vote="x"), "vote must be one of .*got 'x'"),
+        (lambda: Oracle(n_tail=-1), "n_tail must be >= 0; got -1"),
+        (lambda: Quest(page=0), "page must be >= 1; got 0"),
+        (lambda: Quest(vote="x"), "vote must be one of"),
+        (lambda: SnapKV(kernel=6), "kernel must be odd"),
+        (lambda: SnapKV(kernel=0), "kernel must be >= 1; got 0"),
+        (lambda: SnapKV(kernel=-1), "kernel must be >= 1; got -1"),
+        (lambda: Saap(n_buckets=0), "n_buckets must be >= 1; got 0"),
+        (lambda: Saap(n_recent=-1), "n_recent must be >= 0; got -1"),
+        (lambda: Saap(n_sink=-1), "n_sink must be >= 0; got -1"),
+        (lambda: Saap(probes=2.5), r"probes must be an integer >= 1; got 2.5 \(float\)"),
+        (lambda: Squeezed(n_obs=1.5), r"n_obs must be an integer >= 1; got 1.5 \(float\)"),
+        (lambda: Squeezed(sparsity="0.9"), r"sparsity must be a number in \(0, 1\); got '0.9' \(str\)"),
+        (lambda: Squeezed(kmeans_init="x"), "kmeans_init must be one of"),
+        (lambda: Squeezed(n_centroids=2.0), "n_centroids must be an integer >= 1 or None"),
+        (lambda: Squeezed(kmeans_iters=-1), "kmeans_iters must be >= 0"),
+        (lambda: Quest(budget="0.1"), "budget must be a number"),
+        (lambda: Full(dense_layers=-1), "dense_layers must be >= 0; got -1"),
+    ]
+    for make, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            make()
+    # only None picks the default bucket count
+    assert Saap(n_buckets=5).sizes(700) == (5, 63) and Saap().sizes(700) == (16, 63)
+
+
+def test_streaming_sink_past_the_budget_is_an_error():
+    k = jnp.zeros((2, 630, 8))
+    q = jnp.zeros((4, 1, 8))
+    with pytest.raises(ValueError, match="n_sink .1000. exceeds the budget: budget 0.01 of the 630-token fixed context is 7 tokens"):
+        StreamingLLM(budget=0.01, n_sink=1000).select(None, 0, q, None, k)
+    with pytest.raises(ValueError, match="n_sink .8. exceeds the budget"):
+        StreamingLLM(budget=0.01, n_sink=8).expected_budget(630)
+    m = StreamingLLM(budget=0.01, n_sink=7)  # the sink fills the budget exactly
+    assert int(m.select(None, 0, q, None, k).kv_rows[0, 0]) == 7 and m.expected_budget(630) == 7 / 630
+
+
+def test_saap_short_document_names_the_bucket_count(rng):
+    data = _data(rng, n_layers=1, length=12)
+    with pytest.raises(ValueError, match=r"n_buckets=16 \(the default for this length\) > 12 tokens; use a longer "
+                                         "document or a smaller n_buckets"):
+        Saap().build(data)
+    with pytest.raises(ValueError, match=r"n_buckets=13 > 12 tokens"):
+        Saap(n_buckets=13).build(data)
+    index, info = Saap(n_buckets=4, n_recent=2).build(data)
+    assert info["n_buckets"] == 4

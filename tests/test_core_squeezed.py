@@ -505,3 +505,61 @@ def test_key_scores_is_one_flat_gather_with_take_along_axis_values():
     hlo = jax.jit(key_scores).lower(jax.ShapeDtypeStruct((32, 26214), jnp.float32),
                                     jax.ShapeDtypeStruct((32, 524188), jnp.int32)).as_text()
     assert "operand_batching_dims" not in hlo and "tensor<838848xf32>" in hlo
+
+
+def test_retrieve_shape_errors(rng):
+    labels = jnp.asarray(rng.integers(0, 5, (2, 40)), jnp.int32)
+    perm, offsets = cluster_layout(labels, 5)
+    counts = offsets[:, 1:] - offsets[:, :-1]
+    sel, sc = jnp.ones((2, 6), bool), jnp.ones((2, 6), jnp.float32)
+    with pytest.raises(ValueError, match="inconsistent clusters: selected=6, scores=6, counts=5, offsets - 1=5"):
+        retrieve(sel, sc, counts, perm, offsets, n_tail=3, capacity=60)
+    with pytest.raises(ValueError, match=r"selection heads of selected and scores \(3\) must be a positive multiple "
+                                         r"of KV heads \(2\)"):
+        retrieve(sel[:1].repeat(3, 0)[:, :5], sc[:1].repeat(3, 0)[:, :5], counts, perm, offsets, n_tail=3, capacity=60)
+    with pytest.raises(ValueError, match="inconsistent KV heads: counts=2, perm=1, offsets=2"):
+        retrieve(sel[:, :5], sc[:, :5], counts, perm[:1], offsets, n_tail=3, capacity=60)
+    with pytest.raises(ValueError, match=r"perm must have shape \[Hkv, Lc\]"):
+        retrieve(sel[:, :5], sc[:, :5], counts, perm[0], offsets, n_tail=3, capacity=60)
+    for name in ("n_tail", "n_sink"):
+        kw = {"n_tail": 3, "n_sink": 0, name: -1}
+        with pytest.raises(ValueError, match=f"{name} must be >= 0; got -1"):
+            retrieve(sel[:, :5], sc[:, :5], counts, perm, offsets, capacity=60, **kw)
+    ret = retrieve(sel[:, :5], sc[:, :5], counts, perm, offsets, n_tail=3, capacity=60)  # the valid call
+    assert np.all(np.asarray(ret.count) == 43)
+
+
+def test_lookup_input_errors():
+    cent, counts = jnp.ones((2, 5, 8)), jnp.full((2, 5), 3, jnp.int32)
+    with pytest.raises(ValueError, match=r"need at least one query token; got q shape \(4, 0, 8\)"):
+        cluster_scores(jnp.ones((4, 0, 8)), cent, counts, 0.5)
+    with pytest.raises(ValueError, match=r"need at least one cluster; got centroids shape \(2, 0, 8\)"):
+        cluster_scores(jnp.ones((4, 1, 8)), cent[:, :0], counts[:, :0], 0.5)
+    with pytest.raises(ValueError, match="inconsistent query tokens: q=3, q_valid=4"):
+        cluster_scores(jnp.ones((4, 3, 8)), cent, counts, 0.5, q_valid=jnp.ones((4,), bool))
+    with pytest.raises(ValueError, match=r"q_valid must have shape \[T\]"):
+        cluster_scores(jnp.ones((4, 3, 8)), cent, counts, 0.5, q_valid=jnp.ones((1, 3), bool))
+    parent = jnp.zeros((2, 5), jnp.int32)
+    with pytest.raises(ValueError, match="inconsistent query tokens: q=3, q_valid=2"):
+        hierarchical_scores(jnp.ones((4, 3, 8)), cent[:, :2], counts[:, :2], cent, counts, parent, 0.0, 0.5,
+                            q_valid=jnp.ones((2,), bool))
+
+
+def test_config_field_errors_and_one_level_fractions():
+    # one level: the level-1 fraction plays no part; n_centroids overrides the level-2 fraction
+    assert SqueezedConfig(centroid_fraction=0.01).n_clusters(1000) == (10, 0)
+    assert SqueezedConfig(centroid_fraction=0.005, n_centroids=50, hierarchical=True).n_clusters(1000) == (50, 10)
+    with pytest.raises(ValueError, match=r"level1_fraction \(0.01\) must be below centroid_fraction \(0.005\)"):
+        SqueezedConfig(centroid_fraction=0.005, hierarchical=True)
+    for kw, msg in [({"n_obs": 1.5}, r"n_obs must be an integer >= 1; got 1.5 \(float\)"),
+                    ({"n_sink": -1}, "n_sink must be >= 0; got -1"),
+                    ({"n_centroids": 0}, "n_centroids must be >= 1; got 0"),
+                    ({"kmeans_iters": 2.0}, "kmeans_iters must be an integer"),
+                    ({"seed": -1}, "seed must be >= 0; got -1"),
+                    ({"sparsity": "0.9"}, r"sparsity must be a number in \(0, 1\); got '0.9' \(str\)"),
+                    ({"sparsity": float("nan")}, r"sparsity must lie in \(0, 1\); got nan"),
+                    ({"capacity_fraction": "1"}, r"capacity_fraction must be a number in \(0, 1\]"),
+                    ({"kmeans_init": "x"}, r"kmeans_init must be one of \('kmeans\+\+', 'random'\); got 'x'"),
+                    ({"decode_calibration": "x"}, "decode_calibration must be one of")]:
+        with pytest.raises(ValueError, match=msg):
+            SqueezedConfig(**kw)
