@@ -977,7 +977,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
     # a shorter clustering (8 Lloyd iterations instead of 25) keeps this section short;
     # section 1 times the full one
     cls = HierarchicalSqueezed if plan.e2e_method == "hierarchical" else Squeezed
-    method = cls(sparsity=0.9, n_sink=1, kmeans_iters=8)
+    method = cls(sparsity=0.9, n_sink=1, kmeans_iters=8, n_obs=n_obs)
     out["method"] = plan.e2e_method
     t0 = time.perf_counter()
     with dispatch.using(plan.backend):

@@ -1173,7 +1173,7 @@ def build_sharded_index(k, q_obs, cfg: squeezed.SqueezedConfig, scale: float, me
     check_rank("k", k, 4, "[layers, Hkv, L, d]")
     check_gqa(q_obs.shape[1], k.shape[1])
     layers = cluster_sharded(k, cfg, mesh)
-    return calibrate_sharded(layers, q_obs, cfg, scale, mesh)
+    return calibrate_sharded(layers, squeezed.observation_window(q_obs, cfg), cfg, scale, mesh)
 
 
 def to_single_device_index(index: ShardedSqueezedIndex, capacity: int | None = None) -> squeezed.SqueezedIndex:

@@ -32,14 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sqjax._checks import check_gqa, check_rank, check_same
+from sqjax._checks import check_choice, check_count, check_fraction, check_gqa, check_rank, check_same, shape_of
 
 VOTES = ("kv", "q")
 
 
 def _check_vote(vote: str) -> None:
-    if vote not in VOTES:
-        raise ValueError(f"vote must be one of {VOTES}; got {vote!r}")
+    check_choice("vote", vote, VOTES)
 
 
 def selection_heads(n_q_heads: int, n_kv_heads: int, vote: str) -> int:
@@ -87,7 +86,7 @@ def _vote(s_kgc: jax.Array, vote: str) -> jax.Array:
     return s_kgc.reshape(-1, s_kgc.shape[-1])
 
 
-def _check_lookup_inputs(q, centroids, counts):
+def _check_lookup_inputs(q, centroids, counts, q_valid=None):
     check_rank("q", q, 3, "[Hq, T, d]")
     check_rank("centroids", centroids, 3, "[Hkv, C, d]")
     check_rank("counts", counts, 2, "[Hkv, C]")
@@ -95,6 +94,13 @@ def _check_lookup_inputs(q, centroids, counts):
     check_same("KV heads", [("centroids", centroids.shape[0]), ("counts", counts.shape[0])])
     check_same("clusters", [("centroids", centroids.shape[1]), ("counts", counts.shape[1])])
     check_gqa(q.shape[0], centroids.shape[0])
+    if q.shape[1] < 1:
+        raise ValueError(f"need at least one query token; got q shape {shape_of(q)}")
+    if centroids.shape[1] < 1:
+        raise ValueError(f"need at least one cluster; got centroids shape {shape_of(centroids)}")
+    if q_valid is not None:
+        check_rank("q_valid", q_valid, 1, "[T]")
+        check_same("query tokens", [("q", q.shape[1]), ("q_valid", q_valid.shape[0])])
 
 
 def cluster_scores(
@@ -108,7 +114,7 @@ def cluster_scores(
 ) -> jax.Array:
     """Eq. 1 averaged over the T query tokens (and over the group when vote="kv").  -> [Hs, C] f32.
     ``int8``: a block's logits from int8 q and centroids (`SqueezedConfig.lookup_int8`)."""
-    _check_lookup_inputs(q, centroids, counts)
+    _check_lookup_inputs(q, centroids, counts, q_valid)
     _check_vote(vote)
     from sqjax import dispatch
 
@@ -166,7 +172,8 @@ def hierarchical_scores(
 ) -> HierarchicalScores:
     """Eq. 2 on level 1, drop S1 < T1, then Eq. 3 over the surviving level-2 clusters (``int8``: as
     in `cluster_scores`)."""
-    _check_lookup_inputs(q, centroids2, counts2)
+    _check_lookup_inputs(q, centroids2, counts2, q_valid)
+    _check_vote(vote)
     check_rank("parent", parent, 2, "[Hkv, C2]")
     check_same("level-2 clusters", [("centroids2", centroids2.shape[1]), ("parent", parent.shape[1])])
     from sqjax import dispatch
@@ -256,6 +263,18 @@ def retrieve(
 
     Clustered keys are positions [n_sink, n_sink + Lc); perm holds them relative to n_sink.
     """
+    check_rank("selected", selected, 2, "[Hs, C]")
+    check_rank("scores", scores, 2, "[Hs, C]")
+    check_rank("counts", counts, 2, "[Hkv, C]")
+    check_rank("perm", perm, 2, "[Hkv, Lc]")
+    check_rank("offsets", offsets, 2, "[Hkv, C+1]")
+    check_same("selection heads", [("selected", selected.shape[0]), ("scores", scores.shape[0])])
+    check_same("KV heads", [("counts", counts.shape[0]), ("perm", perm.shape[0]), ("offsets", offsets.shape[0])])
+    check_same("clusters", [("selected", selected.shape[1]), ("scores", scores.shape[1]), ("counts", counts.shape[1]),
+                            ("offsets - 1", offsets.shape[1] - 1)])
+    check_gqa(selected.shape[0], counts.shape[0], "selection heads of selected and scores")
+    check_count("n_tail", n_tail, 0)
+    check_count("n_sink", n_sink, 0)
     hs = selected.shape[0]
     n_clustered = perm.shape[-1]
     if capacity < n_tail + n_sink:
@@ -390,25 +409,25 @@ class SqueezedConfig:
     lookup_int8: bool = False
 
     def __post_init__(self):
-        from sqjax._checks import check_fraction
+        from sqjax.kmeans import INITS
 
         check_fraction("sparsity", self.sparsity)
         check_fraction("centroid_fraction", self.centroid_fraction)
         check_fraction("level1_fraction", self.level1_fraction)
         check_fraction("level1_prune", self.level1_prune)
-        if self.level1_fraction >= self.centroid_fraction:
+        # a level-1 fraction above the level-2 one is an error only where both fractions count
+        if self.hierarchical and self.n_centroids is None and self.level1_fraction >= self.centroid_fraction:
             raise ValueError(
                 f"level1_fraction ({self.level1_fraction}) must be below centroid_fraction ({self.centroid_fraction})"
             )
-        if self.n_centroids is not None and self.n_centroids < 1:
-            raise ValueError(f"n_centroids must be >= 1; got {self.n_centroids}")
-        if self.n_obs < 1:
-            raise ValueError(f"n_obs must be >= 1; got {self.n_obs}")
-        if self.n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0; got {self.n_sink}")
+        check_count("n_centroids", self.n_centroids, 1, optional=True)
+        check_count("n_obs", self.n_obs, 1)
+        check_count("n_sink", self.n_sink, 0)
+        check_count("kmeans_iters", self.kmeans_iters, 0)
+        check_count("seed", self.seed, 0)
         _check_vote(self.vote)
-        if self.decode_calibration not in DECODE_CALIBRATIONS:
-            raise ValueError(f"decode_calibration must be one of {DECODE_CALIBRATIONS}; got {self.decode_calibration!r}")
+        check_choice("kmeans_init", self.kmeans_init, INITS)
+        check_choice("decode_calibration", self.decode_calibration, DECODE_CALIBRATIONS)
         if self.capacity_fraction is not None:
             check_fraction("capacity_fraction", self.capacity_fraction, inclusive_high=True)
 
@@ -570,6 +589,18 @@ def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale:
     return t, t1, kept(scores, t), int(cols.shape[0]), at_app_c
 
 
+def observation_window(q_obs: jax.Array, cfg: SqueezedConfig) -> jax.Array:
+    """The calibration queries: those of the last n_obs tokens (App. C's window, the exact tail).
+    q_obs [Lyr, Hq, n >= n_obs, d] -> [Lyr, Hq, n_obs, d]."""
+    if q_obs.shape[2] < cfg.n_obs:
+        raise ValueError(
+            f"calibration needs the queries of the last n_obs = {cfg.n_obs} tokens; got {q_obs.shape[2]} (a context "
+            "prefilled for another method keeps max(100, its window)): build it for this method with "
+            "FixedContext.build(model, document, method)"
+        )
+    return q_obs[:, :, q_obs.shape[2] - cfg.n_obs:]
+
+
 def build_squeezed_index(
     k: jax.Array,      # [Lyr, Hkv, L, d] roped fixed-context keys
     q_obs: jax.Array,  # [Lyr, Hq, n, d] roped queries of the last fixed-context tokens
@@ -583,13 +614,7 @@ def build_squeezed_index(
     check_same("layers", [("k", k.shape[0]), ("q_obs", q_obs.shape[0])])
     check_same("head dim", [("k", k.shape[-1]), ("q_obs", q_obs.shape[-1])])
     check_gqa(q_obs.shape[1], k.shape[1])
-    if q_obs.shape[2] < cfg.n_obs:
-        raise ValueError(
-            f"calibration needs the queries of the last n_obs = {cfg.n_obs} tokens; got {q_obs.shape[2]} (a context "
-            "prefilled for another method keeps max(100, its window)): build it for this method with "
-            "FixedContext.build(model, document, method)"
-        )
-    q_obs = q_obs[:, :, q_obs.shape[2] - cfg.n_obs:]   # App. C: the observation window is the exact tail
+    q_obs = observation_window(q_obs, cfg)
     layers = cluster_fixed_context(k, cfg)
     n_layers = k.shape[0]
     per_layer = [jax.tree.map(lambda a: a[i], layers) for i in range(n_layers)]
