@@ -7,6 +7,7 @@ chosen by ``tokenizer.ggml.pre`` as llama.cpp does). No torch, no transformers n
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,12 +54,29 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(int(i))
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special token (e.g. ``<|im_end|>``)."""
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` writes out a special token (which `encode` maps to the token itself)."""
+        return any(s in text for s in self.special_texts)
+
+    def encode(self, text: str, add_bos: bool | None = None, *, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_bos`` defaults to the model's convention.
 
-        Special tokens written in the text (e.g. ``<|im_start|>``) map to their ids.
+        special: special tokens written in the text (e.g. ``<|im_start|>``) map to their ids; False
+        tokenizes them as plain text (for user content, which must not open or close a chat turn).
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if special or not self.has_special_text(text):
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:
+            self.backend.encode_special_tokens = True
+            try:
+                ids = self.backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = False
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id] + ids

@@ -33,6 +33,7 @@ from sqjax.methods import ContextData, Full, Method, Saap, Squeezed, method_from
 from sqjax.selection import Selection
 
 _SENTINEL = "\u2063SQJAX-QUESTION\u2063"
+_DOC_SENTINEL = "\u2063SQJAX-DOCUMENT\u2063"
 _BUCKET = 16  # question lengths are left-padded to a multiple of this (fewer compilations)
 
 
@@ -47,6 +48,14 @@ def _check_text(what: str, text) -> None:
         raise SqjaxError(f"{what} must be a str; got {type(text).__name__}{hint}")
     if not text.strip():
         raise SqjaxError(f"{what} is empty: " + ("pass a text file with content" if what == "the document" else "ask something"))
+
+
+def _encode_user_text(tok, before: str, user: str, after: str, add_bos) -> list[int]:
+    """Token ids of template text around a document or question: special tokens written in the
+    template map to their ids, those written in `user` stay text, so a document or question cannot
+    open or close a chat turn. (Text without them is encoded whole, as one string.)"""
+    return (tok.encode(before, add_bos=add_bos) + tok.encode(user, add_bos=False, special=False)
+            + tok.encode(after, add_bos=False))
 
 
 def _check_method(method) -> None:
@@ -295,7 +304,12 @@ class FixedContext:
             raise SqjaxError(f"reserve must be an int in [0, {model.config.max_position_embeddings}); got {reserve!r}")
         prefix, suffix_template = cls._split_template(model, document, chat)
         tok = model.tokenizer
-        ids = np.asarray(tok.encode(prefix, add_bos=False if chat else None), np.int32)
+        add_bos = False if chat else None
+        if tok.has_special_text(document):   # its special tokens' text stays text
+            head, text, mid = cls._document_span(model, prefix, chat)
+            ids = np.asarray(_encode_user_text(tok, head, text, mid, add_bos), np.int32)
+        else:
+            ids = np.asarray(tok.encode(prefix, add_bos=add_bos), np.int32)
         limit = model.config.max_position_embeddings - reserve
         if len(ids) > limit:
             over = len(ids) - limit
@@ -320,6 +334,21 @@ class FixedContext:
         del data  # the stacked K/V (and SAAP's de-roped keys) go before the clustered copy is made
         return cls(model, method, ids, kv, index, info, last_logits=last_logits, chat=chat,
                    suffix_template=suffix_template, doc_sha256=sha)
+
+    @staticmethod
+    def _document_span(model, prefix: str, chat: bool) -> tuple[str, str, str]:
+        """`prefix` as (template text before the document, the document as rendered, template text
+        after it)."""
+        if not chat:
+            return "", prefix, ""
+        rendered = model.chat_prompt(_DOC_SENTINEL + "\n\n" + _SENTINEL)
+        head, _, rest = rendered.partition(_DOC_SENTINEL)
+        mid = rest.partition(_SENTINEL)[0]
+        if not rest or not prefix.startswith(head) or not prefix.endswith(mid) or len(prefix) < len(head) + len(mid):
+            raise SqjaxError("the document writes out special tokens (such as "
+                             f"{model.tokenizer.special_texts[:2]}) and the chat template changes the document's text, "
+                             "so they cannot be kept as text; use chat=False (--raw)")
+        return head, prefix[len(head):len(prefix) - len(mid)], mid
 
     @staticmethod
     def _split_template(model, document: str, chat: bool) -> tuple[str, str]:
@@ -416,8 +445,12 @@ class FixedContext:
 
     def _question_ids(self, question: str) -> np.ndarray:
         _check_text("the question", question)
+        tok = self.model.tokenizer
+        if tok.has_special_text(question):   # its special tokens' text stays text
+            before, after = (part.format() for part in self.suffix_template.split("{question}", 1))
+            return np.asarray(_encode_user_text(tok, before, question, after, add_bos=False), np.int32)
         text = self.suffix_template.format(question=question)
-        return np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
+        return np.asarray(tok.encode(text, add_bos=False), np.int32)
 
     def check_questions(self, questions, max_new_tokens: int = 64, temperature: float = 0.0,
                         top_p: float = 1.0) -> list[np.ndarray]:
@@ -560,7 +593,7 @@ class FixedContext:
     def score(self, text: str) -> np.ndarray:
         """Log-probs [n] of the tokens of `text` following the document (one sparse prefill block)."""
         _check_text("the text to score", text)
-        ids = np.asarray(self.model.tokenizer.encode(text, add_bos=False), np.int32)
+        ids = np.asarray(self.model.tokenizer.encode(text, add_bos=False, special=False), np.int32)
         return self.score_ids(ids)
 
     def score_ids(self, ids: np.ndarray, *, mode: str = "prefill", return_logits: bool = False):
