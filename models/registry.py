@@ -211,18 +211,29 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, Path]:
 
 
 def load_model(name_or_path: str | os.PathLike = "smollm2-135m", dtype=jnp.float32) -> LoadedModel:
-    """Load ``"smollm2-135m"``, a HF checkpoint directory or a ``.gguf`` file in ``dtype``."""
+    """Load ``"smollm2-135m"``, a HF checkpoint directory or a ``.gguf`` file in ``dtype``.
+
+    A file that cannot be read as a model raises `ModelFileError` (a ``ValueError``) naming it."""
+    from .load_gguf import ModelFileError
+
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating type (float32, bfloat16, float16); got {jnp.dtype(dtype)}")
     kind, path = resolve_model_path(name_or_path)
-    if kind == "gguf":
-        from .load_gguf import load_gguf
+    try:
+        if kind == "gguf":
+            from .load_gguf import load_gguf
 
-        graphdef, state, config, tokenizer = load_gguf(path, dtype=dtype)
-        files = (str(path),)
-    else:
-        from .load_hf import find_safetensors, load_hf
+            graphdef, state, config, tokenizer = load_gguf(path, dtype=dtype)
+            files = (str(path),)
+        else:
+            from .load_hf import find_safetensors, load_hf
 
-        graphdef, state, config, tokenizer = load_hf(path, dtype=dtype)
-        files = tuple(str(f) for f in find_safetensors(path))
+            graphdef, state, config, tokenizer = load_hf(path, dtype=dtype)
+            files = tuple(str(f) for f in find_safetensors(path))
+    except ValueError as e:  # e.g. missing tensors, a shape mismatch, an unsupported architecture: say which model
+        if isinstance(e, ModelFileError) or str(path) in str(e):
+            raise
+        raise ModelFileError(f"{path}: {e}") from e
     # the source an index records to find its model again: the embedded name, or an absolute path
     source = str(name_or_path).lower() if str(name_or_path).lower() in EMBEDDED_NAMES else str(path.resolve())
     return LoadedModel(graphdef, state, config, tokenizer, source=source, dtype=dtype, weight_files=files)

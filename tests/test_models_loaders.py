@@ -192,6 +192,19 @@ def test_hf_directory_bf16_weights(tmp_path):
     np.testing.assert_allclose(got, _numpy_logits(rounded, IDS), atol=1e-4)
 
 
+def test_load_errors_name_the_model_and_dtype_is_checked(tmp_path):
+    from models import ModelFileError
+
+    t = _tensors(seed=3)
+    del t["model.layers.1.mlp.up_proj.weight"]
+    d = _hf_dir(tmp_path, t)
+    with pytest.raises(ModelFileError) as e:
+        load_model(d)
+    assert str(e.value).startswith(f"{d}: checkpoint is missing 1 tensor(s)")
+    with pytest.raises(ValueError, match="dtype must be a floating type .*; got int8"):
+        load_model(d, dtype=np.int8)
+
+
 def test_hf_missing_tensor_and_unsupported_arch(tmp_path):
     t = _tensors(seed=3)
     del t["model.layers.1.mlp.up_proj.weight"]
