@@ -726,8 +726,11 @@ class _ByteTokenizer:
     def __init__(self, vocab_size: int):
         self.n = vocab_size - 3
 
-    def encode(self, text: str, add_bos=None) -> list[int]:
+    def encode(self, text: str, add_bos=None, *, special: bool = True) -> list[int]:
         return [3 + b % self.n for b in text.encode()]
+
+    def has_special_text(self, text: str) -> bool:   # it has no special tokens
+        return False
 
     def decode(self, ids) -> str:
         return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
