@@ -845,21 +845,30 @@ def settings_from_args(args) -> Settings:
         kw["classifier"] = str(args.classifier)
     if getattr(args, "quick", False):
         kw.update(context_tokens=1024, continuation=32, answer_tokens=8, saap_probes=(8,),
-                  passkey_lengths=(512,), passkey_trials=2, passkey_levels=(0.9,))
+                  passkey_lengths=(512,), passkey_trials=2)
         kw.setdefault("levels", (0.9,))
         kw.setdefault("hier_levels", (0.9,))
+        kw.setdefault("passkey_levels", kw["levels"])   # --budgets' levels, else 0.9
+
+    def count(option: str, v, lo: int = 1) -> int:
+        if int(v) != v or v < lo:
+            raise ValueError(f"--{option.replace('_', '-')} must be an integer >= {lo}; got {v}")
+        return int(v)
+
     for name in ("context_tokens", "continuation", "answer_tokens", "passkey_trials", "passkey_eval_lengths"):
         v = getattr(args, name, None)
         if v is not None:
-            kw[name] = int(v)
+            kw[name] = count(name, v, 0 if name == "passkey_eval_lengths" else 1)
     if getattr(args, "level1_prune", None) is not None:
+        if not 0.0 < float(args.level1_prune) < 1.0:
+            raise ValueError(f"--level1-prune must lie in (0, 1); got {args.level1_prune}")
         kw["hier_level1_prune"] = float(args.level1_prune)
     if getattr(args, "lookup_int8", False):
         kw["lookup_int8"] = True
     if getattr(args, "saap_probes", None):
-        kw["saap_probes"] = tuple(int(p) for p in args.saap_probes)
+        kw["saap_probes"] = tuple(count("saap_probes", p) for p in args.saap_probes)
     if getattr(args, "passkey_lengths", None):
-        kw["passkey_lengths"] = tuple(int(x) for x in args.passkey_lengths)
+        kw["passkey_lengths"] = tuple(count("passkey_lengths", x) for x in args.passkey_lengths)
     if getattr(args, "no_passkey", False):
         kw["passkey"] = False
     if getattr(args, "no_attention", False):
