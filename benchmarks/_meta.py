@@ -210,7 +210,7 @@ def time_ms_unrolled(fn: Callable, queries: list, *, fixed: tuple = (), n_calls:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    from sqjax.index_io import write_atomic
+    from sqjax.index_io import write_text_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, default=float)))
+    write_text_atomic(path, json.dumps(payload, default=float))

@@ -589,9 +589,9 @@ def per_document_lines(records: list[dict]) -> list[str]:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` atomically (an interrupted run never leaves a torn file)."""
-    from sqjax.index_io import write_atomic
+    from sqjax.index_io import write_text_atomic
 
-    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+    write_text_atomic(path, text)
 
 
 def _savefig_atomic(fig, path: Path, **kw) -> None:
@@ -850,10 +850,11 @@ def settings_from_args(args) -> Settings:
         kw.setdefault("hier_levels", (0.9,))
         kw.setdefault("passkey_levels", kw["levels"])   # --budgets' levels, else 0.9
 
+    from sqjax._checks import check_count
+
     def count(option: str, v, lo: int = 1) -> int:
-        if int(v) != v or v < lo:
-            raise ValueError(f"--{option.replace('_', '-')} must be an integer >= {lo}; got {v}")
-        return int(v)
+        check_count(f"--{option.replace('_', '-')}", v, lo)
+        return v
 
     for name in ("context_tokens", "continuation", "answer_tokens", "passkey_trials", "passkey_eval_lengths"):
         v = getattr(args, name, None)

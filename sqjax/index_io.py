@@ -169,6 +169,11 @@ def check_index_target(path) -> None:
                                   "delete it or write the index to another path") from None
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """`write_atomic` of a text file (JSON, markdown)."""
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
 def save_index(path, tree, header: dict) -> None:
     """Write `tree` (the index pytree) and `header` (JSON-able facts) atomically to `path`
     (`check_index_target` first: nothing but an index is ever overwritten)."""

@@ -128,9 +128,9 @@ def test_quick_keeps_the_budgets_for_the_passkey_and_counts_are_checked():
     parse = Q.build_parser().parse_args
     assert Q.settings_from_args(parse(["--quick", "--budgets", "0.4"])).passkey_levels == (0.6,)
     assert Q.settings_from_args(parse(["--quick"])).passkey_levels == (0.9,)
-    for argv, message in [(["--context-tokens", "0"], "--context-tokens must be an integer >= 1; got 0"),
-                          (["--saap-probes", "4", "0"], "--saap-probes must be an integer >= 1; got 0"),
-                          (["--passkey-eval-lengths", "-1"], "--passkey-eval-lengths must be an integer >= 0"),
+    for argv, message in [(["--context-tokens", "0"], "--context-tokens must be >= 1; got 0"),
+                          (["--saap-probes", "4", "0"], "--saap-probes must be >= 1; got 0"),
+                          (["--passkey-eval-lengths", "-1"], "--passkey-eval-lengths must be >= 0"),
                           (["--level1-prune", "1.0"], r"--level1-prune must lie in \(0, 1\)")]:
         with pytest.raises(ValueError, match=message):
             Q.settings_from_args(parse(argv))
