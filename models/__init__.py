@@ -14,7 +14,7 @@ from .config import Llama3RopeScaling, LlamaConfig
 from .forward import forward, forward_jit, forward_new_cache_jit, full_logits
 from .generate import Generation, decode_step, generate, left_pad, prefill, sample_logits
 from .kv_cache import KVCache
-from .load_gguf import ModelFileError
+from .model_files import ModelFileError
 from .llama import Llama
 from .registry import LoadedModel, MissingModelPackageError, embedded_gguf_path, load_model
 from .rope import apply_rope, remove_rope, rope_frequencies

@@ -19,26 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import LlamaConfig
+from .model_files import ModelFileError, one_line
 from .tokenizer import Tokenizer
 from .weights import build_from_hf_tensors
-
-
-class ModelFileError(ValueError):
-    """A model file that exists but cannot be read: empty, truncated, corrupted or not in the format
-    its name claims. The message is one line that names the file and says what to do (the CLI
-    prints it and exits 2)."""
 
 
 GGUF_MAGIC = b"GGUF"
 # what gguf-py raises on malformed bytes (UnicodeDecodeError is a ValueError); anything else
 # (TypeError, AttributeError, ...) is a bug and stays visible
 _GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, OverflowError)
-
-
-def one_line(e: BaseException, limit: int = 200) -> str:
-    """``str(e)`` on one line (whitespace collapsed, at most ``limit`` characters), for error details."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # GGUF name -> HF name (per layer names use {i})

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from .config import LlamaConfig
-from .load_gguf import ModelFileError, one_line
+from .model_files import ModelFileError, one_line, read_json_object
 from .tokenizer import Tokenizer
 from .weights import build_from_hf_tensors
 
@@ -36,21 +36,6 @@ _DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
-
-
-def read_json_object(path: Path) -> dict:
-    """The JSON object in ``path``; `ModelFileError` naming the file if it is not one."""
-    try:
-        data = json.loads(path.read_bytes())
-    except json.JSONDecodeError as e:
-        problem = f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-    except UnicodeDecodeError as e:
-        problem = f"is not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})"
-    else:
-        if isinstance(data, dict):
-            return data
-        problem = f"must hold a JSON object, not a {type(data).__name__}"
-    raise ModelFileError(f"{path} {problem}; fix it or re-download the checkpoint")
 
 
 def _bad_safetensors(path: Path, detail: str) -> ModelFileError:
@@ -175,10 +160,6 @@ def load_hf(path: str | Path, dtype=jnp.float32):
     names = reader.names()
     if config.tie_word_embeddings:
         names.discard("lm_head.weight")  # some tied checkpoints still store it
-    # the tokenizer's JSON files, before the (slow) weights: their own readers name no file
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (path / name).is_file():
-            read_json_object(path / name)
+    tokenizer = Tokenizer.from_hf_dir(path, name=path.name, config=hf_cfg)  # before the (slow) weights
     graphdef, state = build_from_hf_tensors(config, reader, names, dtype=dtype)
-    tokenizer = Tokenizer.from_hf_dir(path, name=path.name, config=hf_cfg)
     return graphdef, state, config, tokenizer

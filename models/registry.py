@@ -214,7 +214,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2-135m", dtype=jnp.float
     """Load ``"smollm2-135m"``, a HF checkpoint directory or a ``.gguf`` file in ``dtype``.
 
     A file that cannot be read as a model raises `ModelFileError` (a ``ValueError``) naming it."""
-    from .load_gguf import ModelFileError
+    from .model_files import ModelFileError
 
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating type (float32, bfloat16, float16); got {jnp.dtype(dtype)}")

@@ -17,6 +17,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from .model_files import ModelFileError, one_line, read_json_object
+
 
 class Tokenizer:
     """``encode``/``decode``/``apply_chat_template`` over a `tokenizers.Tokenizer`."""
@@ -114,7 +116,11 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"{tok_file} not found: sqjax needs the fast-tokenizer file tokenizer.json in the checkpoint"
             )
-        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception that names no file
+            raise ModelFileError(f"{tok_file} is not a readable tokenizer ({one_line(e)}); fix it or re-download "
+                                 "the checkpoint") from e
         tcfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         config = dict(config or {})
@@ -229,10 +235,7 @@ def _gguf_pre_tokenizer(pre: str):
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _compile_template(source: str):
