@@ -1,6 +1,7 @@
 """Small helpers shared by the kernels: validation, padding, head bookkeeping."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -93,13 +94,42 @@ def check_vote(vote: str) -> None:
 def check_scale(scale: Any) -> float:
   if scale is None:
     raise ValueError("scale is required (the model's softmax scale, e.g. 1/sqrt(d))")
+  if isinstance(scale, jax.core.Tracer):
+    raise ValueError(f"scale must be a concrete number (it is compiled into the kernel), got the traced value "
+                     f"{scale!r}: compute it outside jax.jit, or make it a static argument of your function")
+  if np.ndim(scale) != 0:
+    raise ValueError(f"scale must be a scalar, got shape {np.shape(scale)}")
   try:
     s = float(scale)
-  except TypeError as e:  # traced value
-    raise ValueError(f"scale must be a static Python float, got {scale!r}") from e
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"scale must be a number, got {scale!r}") from e
   if not math.isfinite(s):
     raise ValueError(f"scale must be finite, got {s}")
   return s
+
+
+def static_jit(static_argnames: tuple[str, ...]):
+  """``jax.jit`` with ``static_argnames`` for a kernel entry point whose ``scale`` is static.
+
+  A static argument must be hashable, so ``scale=jnp.float32(0.125)`` would fail inside
+  jax.jit with "Non-hashable static arguments"; this wrapper turns a concrete scalar
+  ``scale`` into a Python float first (``check_scale``) and names a traced one.  The
+  jitted function stays reachable as ``.jitted`` (``.lower`` / ``.trace`` pass through).
+  """
+  def wrap(fn):
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+    if "scale" not in static_argnames:
+      return jitted
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      if kwargs.get("scale") is not None:
+        kwargs["scale"] = check_scale(kwargs["scale"])
+      return jitted(*args, **kwargs)
+
+    call.jitted, call.lower, call.trace = jitted, jitted.lower, jitted.trace
+    return call
+  return wrap
 
 
 def num_selection_heads(hq: int, hkv: int, vote: str) -> int:

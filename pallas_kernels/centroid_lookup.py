@@ -854,7 +854,7 @@ def _finish(scores, counts, threshold, vote, hq):
   return selected, scores
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "reduce_stats"))
+@cm.static_jit(("scale", "vote", "reduce_stats"))
 def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="kv",
                               reduce_stats=None, q_valid=None):
   """Plain-jnp Eq. 1.  q [Hq, T, d] (prefill: mean over T, or over the tokens q_valid [T]
@@ -889,7 +889,7 @@ def centroid_lookup_reference(q, centroids, counts, threshold, *, scale, vote="k
   return _finish(s, counts, threshold, vote, hq)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+@cm.static_jit(("scale", "vote", "backend", "config"))
 def centroid_lookup_prefill(
     q: jax.Array,            # [Hq, T, d]
     centroids: jax.Array,    # [Hkv, C, d]
@@ -926,7 +926,7 @@ def centroid_lookup_prefill(
   return _finish(avg, counts, threshold, vote, hq)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+@cm.static_jit(("scale", "vote", "backend", "config"))
 def centroid_lookup_decode(
     q: jax.Array,            # [Hq, d]
     centroids: jax.Array,    # [Hkv, C, d]

@@ -772,7 +772,7 @@ def _attend_selected(q, k, v, offsets, sel, k_new, v_new, q_pos, kv_pos_new, *, 
   return out.reshape(hq, seq_len, d), lse.reshape(hq, seq_len)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
+@cm.static_jit(("scale", "vote", "return_stats"))
 def clustered_decode_attention_reference(q, k_sorted, v_sorted, centroids, offsets, threshold,
                                          k_new, v_new, q_pos, kv_pos_new, *, scale, vote="kv",
                                          return_stats=False):
@@ -784,7 +784,7 @@ def clustered_decode_attention_reference(q, k_sorted, v_sorted, centroids, offse
   return (o, sel, rows) if return_stats else o
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
+@cm.static_jit(("scale", "vote", "return_stats"))
 def clustered_prefill_attention_reference(q, k_sorted, v_sorted, centroids, offsets, threshold,
                                           k_new, v_new, q_pos, kv_pos_new, *, scale, vote="kv",
                                           return_stats=False, q_valid=None):
@@ -795,7 +795,7 @@ def clustered_prefill_attention_reference(q, k_sorted, v_sorted, centroids, offs
   return (o, sel, rows) if return_stats else o
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats"))
+@cm.static_jit(("scale", "vote", "return_stats"))
 def clustered_prefill_hierarchical_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets,
                                              parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new, *,
                                              scale, vote="kv", return_stats=False, q_valid=None):
@@ -849,8 +849,7 @@ def _validate(q, k, v, centroids, offsets, threshold, k_new, v_new, q_pos, kv_po
   cm.check_vote(vote)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "return_stats", "backend",
-                                             "config"))
+@cm.static_jit(("scale", "vote", "return_stats", "backend", "config"))
 def clustered_decode_attention(
     q: jax.Array,            # [Hq, d]
     k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys
@@ -924,7 +923,7 @@ def _validate_batched(q, k, v, centroids, offsets, threshold, k_new, v_new, q_po
     raise ValueError(f"{why}; got {shapes}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+@cm.static_jit(("scale", "vote"))
 def clustered_decode_batched_reference(q, k_sorted, v_sorted, centroids, offsets, threshold, k_new, v_new,
                                        q_pos, kv_pos_new, *, scale, vote="kv"):
   """Plain-jnp ``clustered_decode_batched``: ``clustered_decode_attention_reference`` row by row."""
@@ -934,7 +933,7 @@ def clustered_decode_batched_reference(q, k_sorted, v_sorted, centroids, offsets
   return jax.vmap(one)(q, k_new, v_new, q_pos, kv_pos_new)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+@cm.static_jit(("scale", "vote", "backend", "config"))
 def clustered_decode_batched(
     q: jax.Array,            # [B, Hq, d]  one token of each of B rows (questions)
     k_sorted: jax.Array,     # [Hkv, L, d] the ONE shared fixed context, cluster-contiguous
@@ -990,7 +989,7 @@ def _rows_stacked(q, k_new, v_new, q_pos, kv_pos_new, fixed_part, *, hkv, vote):
   return o.reshape(hkv, n_rows, g, d).swapaxes(0, 1).reshape(n_rows, hq, d)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@cm.static_jit(("scale",))
 def clustered_decode_selected_reference(q, k_sorted, v_sorted, offsets, selected, k_new, v_new, q_pos,
                                         kv_pos_new, *, scale):
   """Plain-jnp ``clustered_decode_selected``: mask the sorted rows by their cluster's
@@ -1000,7 +999,7 @@ def clustered_decode_selected_reference(q, k_sorted, v_sorted, offsets, selected
   return o[:, 0].astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config"))
+@cm.static_jit(("scale", "vote", "backend", "config"))
 def clustered_decode_selected(
     q: jax.Array,            # [Hq, d]
     k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys
@@ -1043,7 +1042,7 @@ def clustered_decode_selected(
   return o
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+@cm.static_jit(("scale", "vote"))
 def clustered_decode_hierarchical_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2, offsets,
                                             parent, threshold1, threshold2, k_new, v_new, q_pos, kv_pos_new,
                                             *, scale, vote="kv"):
@@ -1056,7 +1055,7 @@ def clustered_decode_hierarchical_reference(q, k_sorted, v_sorted, centroids1, c
                                              kv_pos_new, scale=scale)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config", "lookup_config"))
+@cm.static_jit(("scale", "vote", "backend", "config", "lookup_config"))
 def clustered_decode_hierarchical(
     q: jax.Array,            # [Hq, d]
     k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys (level-2 clusters)
@@ -1119,7 +1118,7 @@ def _level2_one_block(lookup_config: CentroidLookupConfig | None) -> CentroidLoo
   return dataclasses.replace(lookup_config or CentroidLookupConfig(), level2_blocks=1)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+@cm.static_jit(("scale", "vote"))
 def clustered_decode_hierarchical_batched_reference(q, k_sorted, v_sorted, centroids1, counts1, centroids2,
                                                     offsets, parent, threshold1, threshold2, k_new, v_new,
                                                     q_pos, kv_pos_new, *, scale, vote="kv"):
@@ -1131,7 +1130,7 @@ def clustered_decode_hierarchical_batched_reference(q, k_sorted, v_sorted, centr
   return jax.vmap(one)(q, k_new, v_new, q_pos, kv_pos_new)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote", "backend", "config", "lookup_config"))
+@cm.static_jit(("scale", "vote", "backend", "config", "lookup_config"))
 def clustered_decode_hierarchical_batched(
     q: jax.Array,            # [B, Hq, d]  one token of each of B rows (questions)
     k_sorted: jax.Array,     # [Hkv, L, d] the ONE shared fixed context, cluster-contiguous (level-2 clusters)
@@ -1301,7 +1300,7 @@ def _prefill_selected(q, k_sorted, v_sorted, offsets, sel, k_new, v_new, q_pos, 
 _PREFILL_STATIC = ("scale", "vote", "capacity", "return_stats", "backend", "config", "new_part")
 
 
-@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
+@cm.static_jit(_PREFILL_STATIC)
 def clustered_prefill_attention(
     q: jax.Array,            # [Hq, T, d]
     k_sorted: jax.Array,     # [Hkv, L, d]
@@ -1349,7 +1348,7 @@ def clustered_prefill_attention(
                            be=be, capacity=capacity, new_part=new_part, return_stats=return_stats)
 
 
-@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
+@cm.static_jit(_PREFILL_STATIC)
 def clustered_prefill_hierarchical(
     q: jax.Array,            # [Hq, T, d]
     k_sorted: jax.Array,     # [Hkv, L, d]  cluster-contiguous fixed-context keys (level-2 clusters)

@@ -16,7 +16,6 @@ never concatenated with the new ones.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,7 @@ def _validate(q, k, v, k_new, v_new, q_pos, kv_pos_new):
   cm.check_attention_io(shapes, q, k, v, k_new, v_new, q_pos, kv_pos_new)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse"))
+@cm.static_jit(("scale", "return_lse"))
 def dense_attention_reference(q, k, v, k_new, v_new, q_pos, kv_pos_new, *, scale, return_lse=False):
   """Plain jnp: masked softmax over [K_fixed ; K_new] in f32.  q [Hq, T, d] or [Hq, d]."""
   squeeze = q.ndim == 2
@@ -56,7 +55,7 @@ def dense_attention_reference(q, k, v, k_new, v_new, q_pos, kv_pos_new, *, scale
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "config"))
+@cm.static_jit(("scale", "return_lse", "backend", "config"))
 def dense_decode_attention(
     q: jax.Array,            # [Hq, d] or [Hq, T, d]
     k: jax.Array,            # [Hkv, L, d] fixed context
@@ -101,7 +100,7 @@ def dense_decode_attention(
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "kv_splits", "new_part"))
+@cm.static_jit(("scale", "return_lse", "backend", "kv_splits", "new_part"))
 def dense_prefill_attention(
     q: jax.Array,            # [Hq, T, d] a block of query tokens
     k: jax.Array,            # [Hkv, L, d] fixed context

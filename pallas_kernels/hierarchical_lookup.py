@@ -37,7 +37,6 @@ level-2 centroids and the same two passes run over them, stopping after the last
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +172,7 @@ def _eq1_masked(q, cent, counts, mask, scale, q_valid=None):
   return cm.token_mean(s, q_valid, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "vote"))
+@cm.static_jit(("scale", "vote"))
 def _reference_scores(q, c1, n1, c2, n2, parent, t1, *, scale, vote, q_valid=None):
   if q.ndim == 2:
     q = q[:, None, :]
@@ -204,7 +203,7 @@ def hierarchical_lookup_reference(q, c1, n1, c2, n2, parent, t1, t2, *, scale, v
 _STATIC = ("scale", "vote", "backend", "config")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@cm.static_jit(_STATIC)
 def hierarchical_scores(
     q: jax.Array,        # [Hq, T, d] (prefill: scores averaged over T) or [Hq, d] (decode)
     c1: jax.Array,       # [Hkv, C1, d] level-1 centroids
@@ -249,7 +248,7 @@ def _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, ran
   return (*_finish(s2, cand, t2), touched)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@cm.static_jit(_STATIC)
 def hierarchical_lookup_prefill(
     q: jax.Array,              # [Hq, T, d]
     c1: jax.Array,             # [Hkv, C1, d] level-1 centroids
@@ -275,7 +274,7 @@ def hierarchical_lookup_prefill(
   return _lookup(q, c1, n1, c2, n2, parent, t1, t2, scale, vote, backend, config, 3, q_valid)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@cm.static_jit(_STATIC)
 def hierarchical_lookup_decode(
     q: jax.Array,              # [Hq, d]
     c1: jax.Array, n1: jax.Array, c2: jax.Array, n2: jax.Array, parent: jax.Array,

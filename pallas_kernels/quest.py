@@ -196,7 +196,7 @@ def _expand_pages(page_idx, page_size, num_l):
   return jnp.where(ok, pos, -1).reshape(page_idx.shape[0], -1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "page_size", "return_lse"))
+@cm.static_jit(("scale", "page_size", "return_lse"))
 def quest_decode_attention_reference(q, k, v, page_idx, k_new, v_new, q_pos, kv_pos_new, *,
                                      scale, page_size=16, return_lse=False):
   """Plain-jnp page-sparse attention (pages expanded to positions)."""
@@ -211,8 +211,7 @@ def quest_decode_attention_reference(q, k, v, page_idx, k_new, v_new, q_pos, kv_
   return (o, lse) if return_lse else o
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale", "page_size", "return_lse", "backend", "config"))
+@cm.static_jit(("scale", "page_size", "return_lse", "backend", "config"))
 def quest_decode_attention(
     q: jax.Array,            # [Hq, d] (or [Hq, T, d])
     k: jax.Array,            # [Hkv, L, d]

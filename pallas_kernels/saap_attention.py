@@ -24,7 +24,6 @@ Semantics of overlaps (tested):
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +71,7 @@ def _visited(bucket_idx, num_buckets):
   return (bucket_idx >= 0) & (bucket_idx < num_buckets) & ~dup
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_sink", "n_recent", "return_lse"))
+@cm.static_jit(("scale", "n_sink", "n_recent", "return_lse"))
 def saap_attention_reference(q, k, v, off, lst, bucket_idx, k_new, v_new, q_pos, kv_pos_new, *,
                              scale, n_sink, n_recent, return_lse=False):
   """Plain-jnp SAAP attention over a dense key mask (same semantics)."""
@@ -110,8 +109,7 @@ def saap_attention_reference(q, k, v, off, lst, bucket_idx, k_new, v_new, q_pos,
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_sink", "n_recent", "return_lse",
-                                             "backend", "config"))
+@cm.static_jit(("scale", "n_sink", "n_recent", "return_lse", "backend", "config"))
 def saap_attention(
     q: jax.Array,            # [Hq, d] (or [Hq, T, d]: one bucket set for all T tokens)
     k: jax.Array,            # [Hkv, L, d]

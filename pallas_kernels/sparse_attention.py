@@ -109,7 +109,7 @@ def _kv_head_of_selection(hq, hkv, hs):
   return (jnp.arange(hs, dtype=jnp.int32) * r) // (hq // hkv)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse"))
+@cm.static_jit(("scale", "return_lse"))
 def sparse_attention_reference(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos_new, *,
                                scale, return_lse=False):
   """Plain-jnp version of ``sparse_attention`` (same conventions, duplicates counted)."""
@@ -136,7 +136,7 @@ def sparse_attention_reference(q, k, v, idx, counts, k_new, v_new, q_pos, kv_pos
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "config"))
+@cm.static_jit(("scale", "return_lse", "backend", "config"))
 def sparse_attention(
     q: jax.Array,            # [Hq, T, d]
     k: jax.Array,            # [Hkv, L, d]  fixed-context keys
@@ -450,7 +450,7 @@ def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, new_
   return jnp.where(aligned, o_c, o_m[0]), jnp.where(aligned, lse_c, lse_m[0]), has
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "backend", "compact", "new_part"))
+@cm.static_jit(("scale", "return_lse", "backend", "compact", "new_part"))
 def gather_then_dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, counts: jax.Array,
     k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, kv_pos_new: jax.Array, *,

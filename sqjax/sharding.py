@@ -109,6 +109,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pallas_kernels._common import check_scale, static_jit
 from sqjax import squeezed
 from sqjax._checks import check_gqa, check_rank, check_same
 from sqjax.calibration import weighted_quantile
@@ -618,7 +619,7 @@ def _check_layer_inputs(lay: ShardedLayerIndex, q, n_ctx, n_heads, vote):
 
 
 def _scale(scale, d):
-    return float(1.0 / math.sqrt(d) if scale is None else scale)
+    return check_scale(1.0 / math.sqrt(d) if scale is None else scale)
 
 
 _H3 = P(HEADS, None, None)
@@ -626,7 +627,7 @@ _H2 = P(HEADS, None)
 _HC = P(HEADS, CTX)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote"))
+@static_jit(("mesh", "scale", "vote"))
 def _scores_jit(lay, q, threshold1, q_valid, *, mesh, scale, vote):
     n_ctx, _ = mesh_shape(mesh)
 
@@ -654,7 +655,7 @@ def sharded_layer_scores(lay: ShardedLayerIndex, q, threshold1, *, mesh: Mesh, s
                        vote=vote)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "capacity", "order"))
+@static_jit(("mesh", "scale", "vote", "capacity", "order"))
 def _lookup_jit(lay, q, threshold, threshold1, q_valid, *, mesh, scale, vote, capacity, order):
     n_ctx, _ = mesh_shape(mesh)
 
@@ -697,7 +698,7 @@ def global_positions(ret: ShardedRetrieval, slice_len: int) -> tuple[jax.Array, 
     return jnp.where(valid, pos, -1).reshape(hs, -1), valid.reshape(hs, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "backend"))
+@static_jit(("mesh", "scale", "backend"))
 def _attention_jit(q, k, v, idx, count, k_new, v_new, q_pos, kv_pos, *, mesh, scale, backend):
     n_ctx, _ = mesh_shape(mesh)
 
@@ -725,7 +726,7 @@ def sharded_attention(q, k, v, ret: ShardedRetrieval, k_new, v_new, q_pos, kv_po
                           backend=_resolve_backend(backend))
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "capacity", "order", "backend"))
+@static_jit(("mesh", "scale", "vote", "capacity", "order", "backend"))
 def _fused_jit(lay, threshold, threshold1, q, k, v, k_new, v_new, q_pos, kv_pos, q_valid, *, mesh, scale, vote,
                capacity, order, backend):
     n_ctx, _ = mesh_shape(mesh)
@@ -785,7 +786,7 @@ def sharded_squeezed_attention(
                       backend=_resolve_backend(backend))
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale"))
+@static_jit(("mesh", "scale"))
 def _full_jit(q, k, v, k_new, v_new, q_pos, kv_pos, *, mesh, scale):
     from sqjax.attention import attend_partial, causal_mask, merge_partials
 
@@ -889,7 +890,7 @@ def clustered_layout(lay: ShardedLayerIndex, k: jax.Array, v: jax.Array, *, mesh
     return _clustered_layout_jit(lay, k, v, mesh=mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "backend", "config", "_parts"))
+@static_jit(("mesh", "scale", "vote", "backend", "config", "_parts"))
 def _clustered_decode_jit(cl, threshold, q, k_new, v_new, q_pos, kv_pos, *, mesh, scale, vote, backend, config,
                           _parts="all"):
     """_parts (benchmark diagnostics only; anything but "all" gives WRONG answers on > 1 shard):
@@ -1010,7 +1011,7 @@ def _global_topk_mask(scores, n_keep: int, n_ctx: int):
     return gt | (tie & (rank < need))
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "n_pages", "page", "vote", "scale"))
+@static_jit(("mesh", "n_pages", "page", "vote", "scale"))
 def _quest_jit(q, kmin, kmax, k, v, k_new, v_new, q_pos, kv_pos, *, mesh, n_pages, page, vote, scale):
     from sqjax import quest
     from sqjax.attention import attend_partial, causal_mask, merge_partials
@@ -1059,7 +1060,7 @@ def sharded_quest_attention(q, kmin, kmax, k, v, k_new, v_new, q_pos, kv_pos, *,
 # Offline: global calibration over all devices
 # ---------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("mesh", "scale", "vote", "per_token"))
+@static_jit(("mesh", "scale", "vote", "per_token"))
 def _calib_jit(lay, q, threshold1, *, mesh, scale, vote, per_token=False):
     """Per level-2 cluster: (its final score, its level-1 parent's score), each [Hs, P·C] for the
     block q [Hq, n, d], or [n, Hs, P·C] with each token a block of its own (`per_token`)."""
