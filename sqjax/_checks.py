@@ -64,6 +64,20 @@ def check_count(name: str, value: int | None, lo: int = 0, *, optional: bool = F
         raise ValueError(f"{name} must be >= {lo}; got {value}")
 
 
+SEED_LIMIT = 2 ** 32   # PRNG seeds become uint32
+
+
+def check_seed(name: str, value) -> None:
+    """A PRNG seed: a Python/NumPy integer in [0, 2**32)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"{name} must be an integer in [0, 2**32); got {value!r}")
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """`seed + offset` wrapped into [0, 2**32): the seed of one part of a job (a layer group, a level)."""
+    return (int(seed) + int(offset)) % SEED_LIMIT
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> None:
     """A string setting that must be one of `choices`."""
     if not isinstance(value, str) or value not in choices:

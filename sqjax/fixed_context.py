@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sqjax import dispatch, index_io
+from sqjax._checks import check_seed
 from sqjax.budget import account
 from sqjax.methods import ContextData, Full, Method, Saap, Squeezed, method_from_name
 from sqjax.selection import Selection
@@ -320,6 +321,7 @@ class FixedContext:
                     "Shorten it, or pass truncate=True (--truncate) to keep its first part"
                 )
             ids = ids[:limit]
+        method.check_length(len(ids))
         from sqjax import progress as _progress_mod
 
         data, last_logits = _prefill_document(model, ids, method, chunk=chunk, progress=progress)
@@ -364,6 +366,7 @@ class FixedContext:
     def with_method(self, method: Method) -> "FixedContext":
         """The same prefilled document indexed for another method (no new prefill)."""
         _check_method(method)
+        method.check_length(self.n_tokens)
         if type(method).build is Method.build:  # full, StreamingLLM, oracle: nothing built from the K/V
             index, info = method.build(None)
         else:
@@ -501,6 +504,10 @@ class FixedContext:
         """
         questions = questions if isinstance(questions, str) else list(questions)   # any iterable of str
         q_ids = self.check_questions(questions, max_new_tokens, temperature, top_p)
+        try:
+            check_seed("seed", seed)
+        except ValueError as e:
+            raise SqjaxError(str(e)) from None
         tok_dec = self.model.tokenizer
         stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
         padded = _left_pad(q_ids)                                  # [B, T], -1 = padding

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sqjax._checks import check_choice, check_count, check_float, check_rank
+from sqjax._checks import check_choice, check_count, check_float, check_rank, check_seed
 
 _EPS = 1e-12
 INITS = ("kmeans++", "random")  # `KMeansConfig.init`
@@ -71,7 +71,7 @@ class KMeansConfig:
         check_count("n_clusters", self.n_clusters, 1)
         check_count("max_iters", self.max_iters, 0)
         check_count("chunk", self.chunk, 1)
-        check_count("seed", self.seed, 0)
+        check_seed("seed", self.seed)
         if self.seed_pool_per_centroid < 1 or self.seed_pool_min < 1:
             raise ValueError(f"seed pool sizes must be >= 1; got {self.seed_pool_per_centroid}, {self.seed_pool_min}")
         check_choice("init", self.init, INITS)

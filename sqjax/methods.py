@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from sqjax import baselines, quest, saap, snapkv, squeezed
-from sqjax._checks import check_choice, check_count, check_fraction, check_rank
+from sqjax._checks import check_choice, check_count, check_fraction, check_rank, check_seed, derived_seed
 from sqjax.selection import Buckets, Pages, Selection, dense_selection, from_mask
 
 
@@ -101,6 +101,10 @@ class Method:
 
     def expected_budget(self, length: int) -> float:
         return 1.0
+
+    def check_length(self, length: int) -> None:
+        """Raise ValueError if the method cannot run over a `length`-token fixed context (checked
+        by `FixedContext.build` before the prefill and by `with_method`, not at the first question)."""
 
     @property
     def label(self) -> str:
@@ -334,6 +338,9 @@ class StreamingLLM(BudgetMethod):
                              f"fixed context is {n} tokens; use a smaller n_sink or a larger budget")
         return n - self.n_sink
 
+    def check_length(self, length: int) -> None:
+        self.n_recent(length)
+
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]
         mask = baselines.streaming_mask(length, self.n_sink, self.n_recent(length))
@@ -400,7 +407,7 @@ class Saap(Method):
         check_count("n_sink", self.n_sink, 0)
         check_count("n_recent", self.n_recent, 0, optional=True)
         check_count("kmeans_iters", self.kmeans_iters, 0)
-        check_count("seed", self.seed, 0)
+        check_seed("seed", self.seed)
 
     def sizes(self, length: int) -> tuple[int, int]:
         c, r = saap_defaults(length)
@@ -427,7 +434,7 @@ class Saap(Method):
                 default = " (the default for this length)" if self.n_buckets is None else ""
                 raise ValueError(f"SAAP's k-means needs at least as many fixed-context tokens as buckets: n_buckets={c}"
                                  f"{default} > {data.length} tokens; use a longer document or a smaller n_buckets")
-            km = [spherical_kmeans(data.k_pre[i], KMeansConfig(c, self.kmeans_iters, seed=self.seed + i,
+            km = [spherical_kmeans(data.k_pre[i], KMeansConfig(c, self.kmeans_iters, seed=derived_seed(self.seed, i),
                                                                deterministic=self.deterministic_build))
                   for i in range(data.n_layers)]
             unit = jnp.stack([r.unit_centroids for r in km])

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sqjax._checks import check_choice, check_count, check_fraction, check_gqa, check_rank, check_same, shape_of
+from sqjax._checks import (check_choice, check_count, check_fraction, check_gqa, check_rank, check_same, check_seed,
+                           derived_seed, shape_of)
 
 VOTES = ("kv", "q")
 
@@ -424,7 +425,7 @@ class SqueezedConfig:
         check_count("n_obs", self.n_obs, 1)
         check_count("n_sink", self.n_sink, 0)
         check_count("kmeans_iters", self.kmeans_iters, 0)
-        check_count("seed", self.seed, 0)
+        check_seed("seed", self.seed)
         _check_vote(self.vote)
         check_choice("kmeans_init", self.kmeans_init, INITS)
         check_choice("decode_calibration", self.decode_calibration, DECODE_CALIBRATIONS)
@@ -509,13 +510,13 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
     out = []
     for start in track(range(0, n_layers, group), "clustering", total=-(-n_layers // group)):
         keys = k[start:start + group, :, cfg.n_sink:cfg.n_sink + lc]
-        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=cfg.seed + start,
+        km = spherical_kmeans(keys, KMeansConfig(c2, cfg.kmeans_iters, chunk=chunk, seed=derived_seed(cfg.seed, start),
                                                   init=cfg.kmeans_init, deterministic=cfg.deterministic_build))
         perm, offsets = cluster_layout(km.labels, c2)
         g = keys.shape[0]
         if c1:
             parent, cent1, cnt1 = cluster_level_up(
-                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=cfg.seed + 7919 + start, init=cfg.kmeans_init,
+                km.centroids, km.counts, KMeansConfig(c1, cfg.kmeans_iters, seed=derived_seed(cfg.seed, 7919 + start), init=cfg.kmeans_init,
                                                       deterministic=cfg.deterministic_build)
             )
         else:

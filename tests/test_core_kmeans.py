@@ -235,7 +235,7 @@ def test_empty_feature_axis_and_config_types():
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., N, d\] with d >= 1; got shape \(10, 0\)"):
         spherical_kmeans(jnp.zeros((10, 0)), KMeansConfig(2))
     for kw, msg in [({"n_clusters": 2.0}, r"n_clusters must be an integer >= 1; got 2.0 \(float\)"),
-                    ({"n_clusters": 2, "seed": -1}, "seed must be >= 0; got -1"),
+                    ({"n_clusters": 2, "seed": -1}, r"seed must be an integer in \[0, 2\*\*32\); got -1"),
                     ({"n_clusters": 2, "max_iters": -1}, "max_iters must be >= 0; got -1"),
                     ({"n_clusters": 2, "init": "x"}, r"init must be one of \('kmeans\+\+', 'random'\); got 'x'")]:
         with pytest.raises(ValueError, match=msg):

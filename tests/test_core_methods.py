@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sqjax import baselines, quest, saap, snapkv
-from sqjax.kmeans import assign, normalize
+from sqjax.kmeans import KMeansConfig, assign, normalize
 from sqjax.attention import attend_partial, dense_attention, fixed_context_attention, merge_partials
 from sqjax.budget import account
 from sqjax.methods import (
@@ -401,6 +401,9 @@ def test_method_field_errors():
         (lambda: Saap(n_sink=-1), "n_sink must be >= 0; got -1"),
         (lambda: Saap(probes=2.5), r"probes must be an integer >= 1; got 2.5 \(float\)"),
         (lambda: Squeezed(n_obs=1.5), r"n_obs must be an integer >= 1; got 1.5 \(float\)"),
+        (lambda: Squeezed(seed=2 ** 32), r"seed must be an integer in \[0, 2\*\*32\); got 4294967296"),
+        (lambda: Saap(seed=-1), r"seed must be an integer in \[0, 2\*\*32\); got -1"),
+        (lambda: KMeansConfig(4, seed=1.0), r"seed must be an integer in \[0, 2\*\*32\); got 1.0"),
         (lambda: Squeezed(sparsity="0.9"), r"sparsity must be a number in \(0, 1\); got '0.9' \(str\)"),
         (lambda: Squeezed(kmeans_init="x"), "kmeans_init must be one of"),
         (lambda: Squeezed(n_centroids=2.0), "n_centroids must be an integer >= 1 or None"),
@@ -435,3 +438,14 @@ def test_saap_short_document_names_the_bucket_count(rng):
         Saap(n_buckets=13).build(data)
     index, info = Saap(n_buckets=4, n_recent=2).build(data)
     assert info["n_buckets"] == 4
+
+
+def test_the_largest_seed_builds(rng):
+    """Seeds are uint32: 2**32 - 1 is valid, and the seeds derived from it for each layer group
+    and level wrap instead of overflowing."""
+    data = _data(rng, n_layers=2, length=300)
+    for m in (HierarchicalSqueezed(centroid_fraction=0.1, level1_fraction=0.02, seed=2 ** 32 - 1),
+              Saap(probes=3, seed=2 ** 32 - 1)):
+        index, _ = m.build(data)
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(index)
+                   if jnp.issubdtype(x.dtype, jnp.floating))

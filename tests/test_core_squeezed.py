@@ -555,7 +555,7 @@ def test_config_field_errors_and_one_level_fractions():
                     ({"n_sink": -1}, "n_sink must be >= 0; got -1"),
                     ({"n_centroids": 0}, "n_centroids must be >= 1; got 0"),
                     ({"kmeans_iters": 2.0}, "kmeans_iters must be an integer"),
-                    ({"seed": -1}, "seed must be >= 0; got -1"),
+                    ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*32\); got -1"),
                     ({"sparsity": "0.9"}, r"sparsity must be a number in \(0, 1\); got '0.9' \(str\)"),
                     ({"sparsity": float("nan")}, r"sparsity must lie in \(0, 1\); got nan"),
                     ({"capacity_fraction": "1"}, r"capacity_fraction must be a number in \(0, 1\]"),

@@ -274,7 +274,9 @@ def test_wrong_types_and_values_say_what_they_are(model, full_ctx, tmp_path):
                             ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
                             ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
                             ({"top_p": 0.0}, "top_p must lie in \\(0, 1\\]"),
-                            ({"top_p": 1.5}, "top_p must lie in \\(0, 1\\]")]:
+                            ({"top_p": 1.5}, "top_p must lie in \\(0, 1\\]"),
+                            ({"seed": 2 ** 32}, r"seed must be an integer in \[0, 2\*\*32\)"),
+                            ({"seed": "1"}, r"seed must be an integer in \[0, 2\*\*32\); got '1'")]:
         with pytest.raises(SqjaxError, match=message):
             full_ctx.ask("Which aisle?", **kwargs)
     # any iterable of questions, a generator included
@@ -619,3 +621,16 @@ def test_ask_step_returns_its_inputs_in_their_buffers(model):
             want = np.stack([np.swapaxes(np.asarray(c[name][0]), 0, 1) for c in caps])   # [layers, Hq, 1, d]
             np.testing.assert_allclose(np.asarray(qbuf[j, :, i, 0]), want, rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(qbuf[:, :, i + 1:]))
+
+def test_streaming_sink_past_the_budget_fails_before_any_work(model, full_ctx, monkeypatch):
+    """The sink-vs-budget check runs where the method meets the document's length: at
+    `with_method` and before `build`'s prefill, not at the first question."""
+    import sqjax.fixed_context as fc
+
+    n = full_ctx.n_tokens
+    bad = StreamingLLM(budget=0.01, n_sink=1000)
+    with pytest.raises(ValueError, match=f"n_sink .1000. exceeds the budget: budget 0.01 of the {n}-token"):
+        full_ctx.with_method(bad)
+    monkeypatch.setattr(fc, "_prefill_document", lambda *a, **k: pytest.fail("prefilled before the check"))
+    with pytest.raises(ValueError, match="n_sink .1000. exceeds the budget"):
+        FixedContext.build(model, DOC, bad, chat=False)
