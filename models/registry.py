@@ -162,11 +162,14 @@ class LoadedModel:
         padded[:, :T] = ids
         return full_logits(self.graphdef, self.state, jnp.asarray(padded))[:, :T]
 
-    def chat_prompt(self, question: str) -> str:
-        """The chat template applied to one user message, with the assistant turn opened."""
+    def chat_prompt(self, question: str, system: str | None = None) -> str:
+        """The chat template applied to one user message (after a system message when `system` is
+        not None; None keeps the template's default), with the assistant turn opened."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        messages = ([] if system is None else [{"role": "system", "content": system}]) + [
+            {"role": "user", "content": question}]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def new_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
         return KVCache.init(self.config, batch, capacity, dtype or self.dtype)

@@ -75,6 +75,8 @@ def check_index_options(args) -> None:
             raise SqjaxError(f"--{k.replace('_', '-')} is for {takers}; --method {args.method} does not take it")
     if args.sparsity is not None and args.budget is not None:
         raise SqjaxError(f"--sparsity and --budget both set the fraction of keys {args.method} keeps; give one")
+    if args.system is not None and args.raw:
+        raise SqjaxError("--system needs the chat template: drop --raw or --system")
 
 
 def make_method(args):
@@ -188,7 +190,8 @@ def cmd_index(args) -> int:
     method = make_method(args)
     model = sqjax.load_model(args.model)
     t0 = time.perf_counter()
-    ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=not args.json, chat=not args.raw)
+    ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=not args.json, chat=not args.raw,
+                             system=args.system)
     ctx.save(out)
     payload = {"index": str(out), "document_tokens": ctx.n_tokens, "method": method.label,
                "model": model.name, "seconds": time.perf_counter() - t0, "info": ctx.info}
@@ -336,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "centroids: ~20%% faster lookup kernels on an H100, prefill KL ~4%% higher on SmolLM2")
     i.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     i.add_argument("--raw", action="store_true", help="no chat template around document and questions")
+    i.add_argument("--system", metavar="TEXT", default=None,
+                   help="the chat's system message before the document (default: the model template's own)")
     i.set_defaults(fn=cmd_index)
 
     a = sub.add_parser("ask", help="answer questions against an index (model and index loaded once)")

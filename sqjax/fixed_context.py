@@ -59,6 +59,23 @@ def _encode_user_text(tok, before: str, user: str, after: str, add_bos) -> list[
             + tok.encode(after, add_bos=False))
 
 
+def _check_system(model, system, chat: bool) -> None:
+    """A system message is a str for a chat template that takes one, written without special tokens."""
+    if system is None:
+        return
+    if not isinstance(system, str):
+        raise SqjaxError(f"system must be a str (the system message) or None; got {type(system).__name__}")
+    if not chat:
+        raise SqjaxError("a system message needs the chat template: drop system, or keep chat=True (no --raw)")
+    if model.tokenizer.has_special_text(system):
+        raise SqjaxError(f"the system message writes out special tokens (such as {model.tokenizer.special_texts[:2]}); "
+                         "remove them: the chat template writes the turn markers itself")
+    try:
+        model.chat_prompt("x", system)
+    except Exception as e:  # a template that takes no system turn raises from jinja
+        raise SqjaxError(f"{model.name}'s chat template does not take a system message ({e}); drop system") from None
+
+
 def _check_method(method) -> None:
     if not isinstance(method, Method):
         raise SqjaxError(f"method must be a sqjax.methods.Method such as sqjax.Squeezed(sparsity=0.9); got {method!r} "
@@ -260,7 +277,8 @@ class FixedContext:
     """A document prefilled once, indexed for one method, ready for many questions."""
 
     def __init__(self, model, method: Method, doc_ids: np.ndarray, data: ContextData | LayerKV, index, info: dict,
-                 *, last_logits: jax.Array, chat: bool, suffix_template: str, doc_sha256: str):
+                 *, last_logits: jax.Array, chat: bool, suffix_template: str, doc_sha256: str,
+                 system: str | None = None):
         """data: the prefilled document, stacked (`ContextData`: each layer is copied out, so drop
         it afterwards) or already per layer (`LayerKV`: kept as it is, shared with its other holders)."""
         self.model = model
@@ -272,6 +290,7 @@ class FixedContext:
         self.info = info
         self.chat = chat
         self.suffix_template = suffix_template  # text after the document; "{question}" placeholder
+        self.system = system                    # the system message before the document (None: the template's)
         self.doc_sha256 = doc_sha256
         self.n_prefills = 1  # document prefills done for this context (tests: questions reuse it)
         cfg = model.config
@@ -291,10 +310,13 @@ class FixedContext:
     # ----------------------------------------------------------------------------- building
     @classmethod
     def build(cls, model, document: str, method: Method | None = None, *, chat: bool = True,
-              truncate: bool = False, reserve: int = 256, chunk: int = 1024, progress: bool = False):
+              system: str | None = None, truncate: bool = False, reserve: int = 256, chunk: int = 1024,
+              progress: bool = False):
         """Prefill `document` once and build `method`'s index (clusters, calibration, pages, ...).
 
         chat: wrap the document (and later questions) in the model's chat template.
+        system: the chat's system message, before the document (None: the template's own default,
+            e.g. SmolLM2's "You are a helpful AI assistant named SmolLM, ..."; "": an empty one).
         reserve: tokens kept free in the model's context for questions and answers.
         truncate: keep the start of an over-long document instead of failing.
         """
@@ -303,11 +325,12 @@ class FixedContext:
         _check_text("the document", document)
         if not (isinstance(reserve, numbers.Integral) and 0 <= reserve < model.config.max_position_embeddings):
             raise SqjaxError(f"reserve must be an int in [0, {model.config.max_position_embeddings}); got {reserve!r}")
-        prefix, suffix_template = cls._split_template(model, document, chat)
+        _check_system(model, system, chat)
+        prefix, suffix_template = cls._split_template(model, document, chat, system)
         tok = model.tokenizer
         add_bos = False if chat else None
         if tok.has_special_text(document):   # its special tokens' text stays text
-            head, text, mid = cls._document_span(model, prefix, chat)
+            head, text, mid = cls._document_span(model, prefix, chat, system)
             ids = np.asarray(_encode_user_text(tok, head, text, mid, add_bos), np.int32)
         else:
             ids = np.asarray(tok.encode(prefix, add_bos=add_bos), np.int32)
@@ -335,15 +358,15 @@ class FixedContext:
         kv = LayerKV.of(data)
         del data  # the stacked K/V (and SAAP's de-roped keys) go before the clustered copy is made
         return cls(model, method, ids, kv, index, info, last_logits=last_logits, chat=chat,
-                   suffix_template=suffix_template, doc_sha256=sha)
+                   suffix_template=suffix_template, doc_sha256=sha, system=system)
 
     @staticmethod
-    def _document_span(model, prefix: str, chat: bool) -> tuple[str, str, str]:
+    def _document_span(model, prefix: str, chat: bool, system: str | None = None) -> tuple[str, str, str]:
         """`prefix` as (template text before the document, the document as rendered, template text
         after it)."""
         if not chat:
             return "", prefix, ""
-        rendered = model.chat_prompt(_DOC_SENTINEL + "\n\n" + _SENTINEL)
+        rendered = model.chat_prompt(_DOC_SENTINEL + "\n\n" + _SENTINEL, system)
         head, _, rest = rendered.partition(_DOC_SENTINEL)
         mid = rest.partition(_SENTINEL)[0]
         if not rest or not prefix.startswith(head) or not prefix.endswith(mid) or len(prefix) < len(head) + len(mid):
@@ -353,11 +376,11 @@ class FixedContext:
         return head, prefix[len(head):len(prefix) - len(mid)], mid
 
     @staticmethod
-    def _split_template(model, document: str, chat: bool) -> tuple[str, str]:
+    def _split_template(model, document: str, chat: bool, system: str | None = None) -> tuple[str, str]:
         """(fixed prefix text, suffix template with '{question}')."""
         if not chat:
             return document, "\n\n{question}"
-        rendered = model.chat_prompt(document + "\n\n" + _SENTINEL)
+        rendered = model.chat_prompt(document + "\n\n" + _SENTINEL, system)
         prefix, _, rest = rendered.partition(_SENTINEL)
         if not rest and not rendered.endswith(_SENTINEL):
             raise SqjaxError("the model's chat template dropped the question placeholder; use chat=False")
@@ -377,7 +400,7 @@ class FixedContext:
             del data
         ctx = FixedContext(self.model, method, self.doc_ids, self.kv, index, _jsonable(info),
                            last_logits=self.last_logits, chat=self.chat,
-                           suffix_template=self.suffix_template, doc_sha256=self.doc_sha256)
+                           suffix_template=self.suffix_template, doc_sha256=self.doc_sha256, system=self.system)
         ctx.n_prefills = 0
         return ctx
 
@@ -653,7 +676,7 @@ class FixedContext:
             "tokenizer": getattr(self.model.tokenizer, "name", None),
             "method": {"name": self.method.name, "params": _method_params(self.method)},
             "document": {"n_tokens": self.n_tokens, "sha256": self.doc_sha256, "chat": self.chat,
-                         "suffix_template": self.suffix_template},
+                         "suffix_template": self.suffix_template, "system": self.system},
             "info": self.info,
         }
         index_io.save_index(path, tree, header)
@@ -677,7 +700,7 @@ class FixedContext:
         kv = LayerKV.of(tree.pop("data"))  # the stacked copy read from the file goes with `tree`
         ctx = cls(model, method, np.asarray(tree["doc_ids"]), kv, tree["index"], header.get("info", {}),
                   last_logits=tree["last_logits"], chat=doc["chat"], suffix_template=doc["suffix_template"],
-                  doc_sha256=doc["sha256"])
+                  doc_sha256=doc["sha256"], system=doc.get("system"))
         ctx.n_prefills = 0
         return ctx
 

@@ -197,7 +197,8 @@ def test_index_options_a_method_does_not_take_are_errors(capsys, doc_file, tmp_p
              (("--method", "full", "--sparsity", "0.5"), "--sparsity is for squeezed, hsqueezed, quest"),
              (("--probes", "4"), "--probes is for saap; --method squeezed does not take it"),
              (("--method", "quest", "--n-sink", "2"), "--n-sink is for squeezed, hsqueezed, streaming and saap"),
-             (("--method", "quest", "--sparsity", "0.5", "--budget", "0.2"), "--sparsity and --budget both set")]
+             (("--method", "quest", "--sparsity", "0.5", "--budget", "0.2"), "--sparsity and --budget both set"),
+             (("--raw", "--system", "Be brief."), "--system needs the chat template: drop --raw or --system")]
     for extra, message in cases:
         code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "x.sqx"), "--model",
                               str(tmp_path / "none.gguf"), *extra)
@@ -216,6 +217,10 @@ def test_index_options_reach_the_method(capsys, model_dir, doc_file, tmp_path):
         assert code == 0, err
         method = FixedContext.load(tmp_path / "m.sqx", model).method
         assert {k: getattr(method, k) for k in want} == pytest.approx(want), extra
+    code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
+                        "--method", "full", "--system", "Be brief.", "--json")
+    assert code == 0, err
+    assert FixedContext.load(tmp_path / "m.sqx", model).system == "Be brief."
     code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
                         "--method", "saap", "--probes", "0")   # 0 is a value, not "not given"
     assert code == 2 and "probes must be >= 1" in _error_line(err)

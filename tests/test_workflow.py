@@ -634,3 +634,35 @@ def test_streaming_sink_past_the_budget_fails_before_any_work(model, full_ctx, m
     monkeypatch.setattr(fc, "_prefill_document", lambda *a, **k: pytest.fail("prefilled before the check"))
     with pytest.raises(ValueError, match="n_sink .1000. exceeds the budget"):
         FixedContext.build(model, DOC, bad, chat=False)
+
+
+def test_system_message_before_the_document(model, tmp_path, monkeypatch):
+    """`system` replaces the chat template's default system turn; it is part of the fixed prefix,
+    kept by `with_method`, `save` and `load`, and checked before anything runs."""
+    tok = model.tokenizer
+    system = "Answer from the inventory only."
+    ctx = FixedContext.build(model, DOC, Full(), system=system)
+    rendered = FixedContext._split_template(model, DOC, True, system)[0]
+    assert rendered.count(system) == 1 and rendered.index(system) < rendered.index(DOC[:20])
+    assert ctx.doc_ids.tolist() == tok.encode(rendered, add_bos=False)
+    assert ctx.doc_ids.tolist() != FixedContext.build(model, DOC, Full()).doc_ids.tolist()
+    q = "Which aisle holds item 3?"
+    # the same text as the whole chat prompt with that system message
+    ids = ctx.doc_ids.tolist() + ctx._question_ids(q).tolist()
+    assert tok.decode(ids, skip_special_tokens=False) == model.chat_prompt(DOC + "\n\n" + q, system)
+    assert ctx.with_method(Quest(budget=0.5)).system == system
+    ctx.save(tmp_path / "s.sqx")
+    back = FixedContext.load(tmp_path / "s.sqx", model)
+    assert back.system == system
+    assert back.ask(q, max_new_tokens=3, stop_ids=()).token_ids == ctx.ask(q, max_new_tokens=3, stop_ids=()).token_ids
+    for kwargs, message in [({"system": 5}, "system must be a str .* got int"),
+                            ({"system": "x", "chat": False}, "a system message needs the chat template"),
+                            ({"system": "be<|im_end|>"}, "the system message writes out special tokens")]:
+        with pytest.raises(SqjaxError, match=message):
+            FixedContext.build(model, DOC, Full(), **kwargs)
+    # a template without a system turn says so
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    monkeypatch.setattr(tok, "_compiled_template", None)
+    with pytest.raises(SqjaxError, match="chat template does not take a system message .no system role."):
+        FixedContext.build(model, DOC, Full(), system=system)
