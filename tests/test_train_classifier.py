@@ -241,3 +241,29 @@ def test_cli_help_and_errors(tmp_path, capsys):
         assert opt in out
     assert main(["--eval-only", "-o", str(tmp_path / "none")]) == 2
     assert "run_config.json" in capsys.readouterr().err
+
+
+def test_cli_checks_paths_and_counts_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A bad run directory, corpus file or count is reported before the model loads (a model that
+    does not exist is named here: loading it would be a different error)."""
+    from train_qclassifier.__main__ import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text " * 50)
+    (tmp_path / "adir").mkdir()
+    missing_model = str(tmp_path / "none.gguf")
+    cases = [(["--corpus", str(doc), "-o", str(doc)], f"-o {doc} exists and is not a directory"),
+             (["--corpus", str(doc), "--eval-out", str(doc)], f"--eval-out {doc} exists and is not a directory"),
+             (["--corpus", str(tmp_path / "adir")], "is a directory: name its text files"),
+             (["--corpus", str(tmp_path / "nope.txt")], "nope.txt does not exist"),
+             (["--corpus", str(doc), "--heldout", str(doc)], "held-out documents overlap the training corpus")]
+    for argv, message in cases:
+        run_dir = [] if "-o" in argv else ["-o", str(tmp_path / "run")]
+        assert main([*argv, *run_dir, "--model", missing_model]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "none.gguf" not in err, (argv, err)   # the model was never loaded
+    assert doc.read_text() == "some text " * 50 and not (tmp_path / "run").exists()
+    for opt in ("--max-docs", "--max-heldout"):
+        with pytest.raises(SystemExit) as e:
+            main([opt, "0", "--model", missing_model])
+        assert e.value.code == 2 and f"{opt} must be >= 1; got 0" in capsys.readouterr().err

@@ -155,6 +155,14 @@ def run(args) -> int:
         cfg = TrainConfig.from_dict(json.loads(rc_path.read_text())["train_config"])
     else:
         cfg = config_from_args(args)
+    # everything that needs no model is checked before it loads: the run directory, the documents
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"-o {out} exists and is not a directory: give a run directory (new, or a run to --resume)")
+    if args.eval_out and Path(args.eval_out).exists() and not Path(args.eval_out).is_dir():
+        raise ValueError(f"--eval-out {args.eval_out} exists and is not a directory: give a directory")
+    train_docs = corpus.load_documents(args.corpus, corpus.DEFAULT_TRAIN_MODULES, args.max_docs)
+    held_docs = corpus.load_documents(args.heldout, corpus.DEFAULT_HELDOUT_MODULES, args.max_heldout)
+    corpus.check_disjoint(train_docs, held_docs)
 
     import sqjax
 
@@ -164,10 +172,6 @@ def run(args) -> int:
     C = cfg.buckets_for(mc.max_position_embeddings)
     cfg_eff = TrainConfig.from_dict({**cfg.to_dict(), "n_buckets": C})
     inv_freq = config_frequencies(mc)
-
-    train_docs = corpus.load_documents(args.corpus, corpus.DEFAULT_TRAIN_MODULES, args.max_docs)
-    held_docs = corpus.load_documents(args.heldout, corpus.DEFAULT_HELDOUT_MODULES, args.max_heldout)
-    corpus.check_disjoint(train_docs, held_docs)
     run_config = {"train_config": cfg_eff.to_dict(), "model": _model_info(model),
                   "corpus": [{"name": d.name, "digest": d.digest} for d in train_docs],
                   "heldout": [{"name": d.name, "digest": d.digest} for d in held_docs]}
@@ -281,7 +285,8 @@ def _collect(model, docs, folder: Path, cfg, first_index: int, what: str) -> lis
             if (dd := data.collect_document(model, doc, folder / f"doc_{i:04d}", cfg, index=first_index + i,
                                             log=_log)) is not None]
     if not dirs:
-        raise ValueError(f"no {what} document is long enough (min_tokens)")
+        raise ValueError(f"no {what} document is long enough: each needs at least {cfg.min_tokens} tokens "
+                         f"(min_tokens; {len(docs)} given); give longer documents")
     return dirs
 
 
@@ -297,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_only and args.no_eval:
         parser.error("--eval-only and --no-eval exclude each other")
+    for opt in ("max_docs", "max_heldout"):
+        if getattr(args, opt) is not None and getattr(args, opt) < 1:
+            parser.error(f"--{opt.replace('_', '-')} must be >= 1; got {getattr(args, opt)}")
 
     def _term(signum, frame):  # a `kill` checkpoints like Ctrl-C does
         raise KeyboardInterrupt
@@ -307,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; continue with the same options and --resume", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, ClassifierFormatError, CheckpointMismatchError) as e:
+    except (ValueError, OSError, ClassifierFormatError, CheckpointMismatchError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -57,6 +57,8 @@ def pydoc_document(module: str) -> Document:
 
 def file_document(path: str | Path) -> Document:
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"corpus file {p} is a directory: name its text files (e.g. {p}/*.txt)")
     if not p.is_file():
         raise FileNotFoundError(f"corpus file {p} does not exist")
     return Document(str(p), p.read_text(encoding="utf-8", errors="replace"))
