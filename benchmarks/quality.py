@@ -840,8 +840,12 @@ def settings_from_args(args) -> Settings:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(METHOD_NAMES)} or {sorted(FAMILIES)}")
         kw["methods"] = tuple(args.methods)
     if getattr(args, "classifier", None):
-        if not Path(args.classifier).exists():
-            raise FileNotFoundError(f"classifier {args.classifier!r} not found")
+        from train_qclassifier.classifier import ClassifierFormatError, load_classifier
+
+        try:   # files, format, checksum and shapes, before any model loads (the model's shapes: later)
+            load_classifier(args.classifier)
+        except ClassifierFormatError as e:
+            raise ValueError(f"--classifier: {e}") from None
         kw["classifier"] = str(args.classifier)
     if getattr(args, "quick", False):
         kw.update(context_tokens=1024, continuation=32, answer_tokens=8, saap_probes=(8,),

@@ -65,6 +65,8 @@ def pydoc_document(module: str) -> Document:
 
 def file_document(path: str | Path, name: str | None = None) -> Document:
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"document {str(p)!r} is a directory: name its text files (e.g. {p}/*.txt)")
     if not p.is_file():
         raise FileNotFoundError(f"document {str(p)!r} not found")
     try:

@@ -230,3 +230,10 @@ def test_sqjax_eval_cli(model, tmp_path, capsys, monkeypatch):
     # a bad method name is one clear error line
     assert cli.main(["eval", "--methods", "nope", "-o", str(out)]) == 2
     assert "unknown method" in capsys.readouterr().err
+    # a directory given as a document, and a classifier directory that is no export, before any model loads
+    monkeypatch.setattr(sqjax, "load_model", lambda name: pytest.fail("loaded a model before the check"))
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["eval", "--docs", str(tmp_path), "-o", str(out)]) == 2
+    assert "is a directory: name its text files" in capsys.readouterr().err
+    assert cli.main(["eval", "--docs", str(doc), "--classifier", str(tmp_path / "empty"), "-o", str(out)]) == 2
+    assert "--classifier: " in (err := capsys.readouterr().err) and "is not a classifier export" in err
