@@ -28,7 +28,7 @@ from benchmarks._meta import metadata
 from sqjax.index_io import write_text_atomic
 
 
-def run_dtype(model_name: str, doc: str, dtype: str, sparsity: float, max_new_tokens: int) -> dict:
+def run_dtype(model_name: str, doc: str, dtype: str, sparsity: float, max_new_tokens: int, n_questions: int = 3) -> dict:
     import sqjax
     from sqjax.cli import DEMO_QUESTIONS
 
@@ -40,7 +40,7 @@ def run_dtype(model_name: str, doc: str, dtype: str, sparsity: float, max_new_to
     t_build = time.perf_counter() - t0
     contexts = {"squeezed+sink1": ctx, "full": ctx.with_method(sqjax.Full())}
     rows = []
-    for q in DEMO_QUESTIONS:
+    for q in DEMO_QUESTIONS[:n_questions]:
         for name, c in contexts.items():
             c.ask(q, max_new_tokens=max_new_tokens)            # compiles
             a = c.ask(q, max_new_tokens=max_new_tokens)        # timed
@@ -50,6 +50,60 @@ def run_dtype(model_name: str, doc: str, dtype: str, sparsity: float, max_new_to
                          "ttft_s": s.time_to_first_token_s, "tpot_s": s.time_per_output_token_s})
     return {"dtype": dtype, "document_tokens": ctx.n_tokens, "threshold": ctx.info.get("threshold"),
             "load_s": t_load, "build_s": t_build, "index_s": ctx.info.get("index_seconds"), "answers": rows}
+
+
+def _kl_rows(ref_logits, logits):
+    """Per-row KL(softmax(ref) || softmax(x)) of [n, V] logits, in nats."""
+    import numpy as np
+
+    a = jax.nn.log_softmax(jnp.asarray(ref_logits, jnp.float32), axis=-1)
+    b = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    return np.asarray(jnp.sum(jnp.exp(a) * (a - b), axis=-1))
+
+
+def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int, n_cont: int) -> dict:
+    """The compiled routes against the reference routes on one index (same selections, so only the
+    kernels' arithmetic differs), and Squeezed against full attention under each.
+
+    The document's first `n_ctx` tokens are the fixed context (no chat template); its next `n_cont`
+    tokens are scored token by token ("decode": one lookup per token) and as one block ("prefill")."""
+    import copy
+    import dataclasses
+
+    import numpy as np
+
+    import sqjax
+
+    model = sqjax.load_model(model_name, dtype=jnp.dtype(dtype))
+    tok = model.tokenizer
+    ids = tok.encode(text, add_bos=False)
+    if len(ids) < n_ctx + n_cont:
+        raise ValueError(f"the fidelity document has {len(ids)} tokens; it needs {n_ctx} + {n_cont}")
+    sq = sqjax.FixedContext.build(model, tok.decode(ids[:n_ctx]), sqjax.Squeezed(sparsity=sparsity, n_sink=1),
+                                  chat=False)
+    cont = np.asarray(ids[n_ctx:n_ctx + n_cont], np.int32)
+    logits = {}
+    for name, ctx in (("full", sq.with_method(sqjax.Full())), ("squeezed+sink1", sq)):
+        for backend in ("auto", "reference"):
+            c = copy.copy(ctx)
+            c._hook = dataclasses.replace(ctx._hook, backend=backend)
+            for mode in ("decode", "prefill"):
+                logits[name, backend, mode] = c.score_ids(cont, mode=mode, return_logits=True)[1]
+    rows = []
+    for mode in ("decode", "prefill"):
+        for name in ("full", "squeezed+sink1"):
+            kl = _kl_rows(logits[name, "reference", mode], logits[name, "auto", mode])
+            rows.append({"what": "compiled vs reference", "method": name, "mode": mode,
+                         "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                         "max_abs_logit_diff": float(np.max(np.abs(logits[name, "reference", mode]
+                                                                   - logits[name, "auto", mode])))})
+        for backend in ("auto", "reference"):
+            kl = _kl_rows(logits["full", backend, mode], logits["squeezed+sink1", backend, mode])
+            rows.append({"what": f"squeezed vs full ({'compiled' if backend == 'auto' else 'reference'})",
+                         "method": "squeezed+sink1", "mode": mode, "kl_mean": float(kl.mean()),
+                         "kl_median": float(np.median(kl)), "kl_max": float(kl.max())})
+    return {"dtype": dtype, "n_ctx": sq.n_tokens, "n_cont": int(len(cont)),
+            "matmul_precision": str(jax.config.jax_default_matmul_precision), "rows": rows}
 
 
 def compare(runs: list[dict], reference: dict) -> list[dict]:
@@ -78,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--questions", type=int, default=3, help="how many of the demo's questions (0: none)")
+    p.add_argument("--fidelity-doc", default=None, metavar="FILE",
+                   help="also compare the compiled routes with the reference routes on this document's index")
+    p.add_argument("--fidelity-tokens", type=int, nargs=2, default=(6000, 128), metavar=("CONTEXT", "SCORED"))
     p.add_argument("--reference", default=None, help="a real_model.json from another device to compare answers with")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: write the report of this real_model.json (with --reference: the comparison)")
@@ -92,13 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         doc = Path(args.doc).read_text(encoding="utf-8") if args.doc else demo_document()
         res = {**metadata(), "model": args.model, "sparsity": args.sparsity, "max_new_tokens": args.max_new_tokens,
                "document_sha256": hashlib.sha256(doc.encode()).hexdigest(), "runs": [], "errors": {}}
+        res["fidelity"] = []
+        fid_text = Path(args.fidelity_doc).read_text(encoding="utf-8") if args.fidelity_doc else None
         for dt in args.dtypes:
-            try:
-                res["runs"].append(run_dtype(args.model, doc, dt, args.sparsity, args.max_new_tokens))
-            except Exception as e:  # recorded: the other dtypes still run
-                res["errors"][dt] = f"{type(e).__name__}: {e}"
-                print(f"{dt}: {type(e).__name__}: {e}", file=sys.stderr)
-            write_text_atomic(out / "real_model.json", json.dumps(res, indent=1))   # a partial run keeps its rows
+            jobs = ([("demo", lambda: res["runs"].append(
+                        run_dtype(args.model, doc, dt, args.sparsity, args.max_new_tokens, args.questions)))]
+                    if args.questions else [])
+            if fid_text is not None:
+                jobs.append(("fidelity", lambda: res["fidelity"].append(
+                    fidelity(args.model, fid_text, dt, args.sparsity, *args.fidelity_tokens))))
+            for what, job in jobs:
+                try:
+                    job()
+                except Exception as e:  # recorded: the other parts still run
+                    res["errors"][f"{dt} {what}"] = f"{type(e).__name__}: {e}"
+                    print(f"{dt} {what}: {type(e).__name__}: {e}", file=sys.stderr)
+                write_text_atomic(out / "real_model.json", json.dumps(res, indent=1))   # a partial run keeps its rows
     if reference is not None:
         same_doc = reference.get("document_sha256") == res["document_sha256"]
         res["reference"] = {"device": reference.get("device"), "git_commit": reference.get("git_commit"),
@@ -115,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"{1e3 * a['ttft_s']:.1f} | {tpot} | {a['answer'].strip()[:60]!r} |")
     for dt, err in res.get("errors", {}).items():
         lines.append(f"| {dt} | failed: {err[:200]} | | | | | |")
+    for f in res.get("fidelity", []):
+        lines += ["", f"Fidelity, {f['dtype']} (matmul precision {f['matmul_precision']}): a {f['n_ctx']}-token fixed "
+                      f"context, {f['n_cont']} scored tokens; KL in nats per token.", "",
+                  "| comparison | method | mode | KL mean | KL median | KL max | max abs logit diff |", "|---|---|---|---|---|---|---|"]
+        for r in f["rows"]:
+            lines.append(f"| {r['what']} | {r['method']} | {r['mode']} | {r['kl_mean']:.2e} | "
+                         f"{r.get('kl_median', float('nan')):.2e} | {r['kl_max']:.2e} | "
+                         f"{r.get('max_abs_logit_diff', float('nan')):.2e} |")
     if reference is not None:
         ref = res["reference"]
         lines += ["", f"Against {ref['device']} ({ref['git_commit']}): same document: {ref['same_document']}."]
