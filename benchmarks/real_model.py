@@ -61,7 +61,7 @@ def _kl_rows(ref_logits, logits):
     return np.asarray(jnp.sum(jnp.exp(a) * (a - b), axis=-1))
 
 
-def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int, n_cont: int) -> dict:
+def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int, n_cont: int, seed: int = 0) -> dict:
     """The compiled routes against the reference routes on one index (same selections, so only the
     kernels' arithmetic differs), and Squeezed against full attention under each.
 
@@ -79,8 +79,8 @@ def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int
     ids = tok.encode(text, add_bos=False)
     if len(ids) < n_ctx + n_cont:
         raise ValueError(f"the fidelity document has {len(ids)} tokens; it needs {n_ctx} + {n_cont}")
-    sq = sqjax.FixedContext.build(model, tok.decode(ids[:n_ctx]), sqjax.Squeezed(sparsity=sparsity, n_sink=1),
-                                  chat=False)
+    sq = sqjax.FixedContext.build(model, tok.decode(ids[:n_ctx]),
+                                  sqjax.Squeezed(sparsity=sparsity, n_sink=1, seed=seed), chat=False)
     cont = np.asarray(ids[n_ctx:n_ctx + n_cont], np.int32)
     logits = {}
     for name, ctx in (("full", sq.with_method(sqjax.Full())), ("squeezed+sink1", sq)):
@@ -102,7 +102,7 @@ def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int
             rows.append({"what": f"squeezed vs full ({'compiled' if backend == 'auto' else 'reference'})",
                          "method": "squeezed+sink1", "mode": mode, "kl_mean": float(kl.mean()),
                          "kl_median": float(np.median(kl)), "kl_max": float(kl.max())})
-    return {"dtype": dtype, "n_ctx": sq.n_tokens, "n_cont": int(len(cont)),
+    return {"dtype": dtype, "n_ctx": sq.n_tokens, "n_cont": int(len(cont)), "seed": seed,
             "matmul_precision": str(jax.config.jax_default_matmul_precision), "rows": rows}
 
 
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fidelity-doc", default=None, metavar="FILE",
                    help="also compare the compiled routes with the reference routes on this document's index")
     p.add_argument("--fidelity-tokens", type=int, nargs=2, default=(6000, 128), metavar=("CONTEXT", "SCORED"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="k-means seeds of the fidelity index (one run each)")
     p.add_argument("--reference", default=None, help="a real_model.json from another device to compare answers with")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: write the report of this real_model.json (with --reference: the comparison)")
@@ -156,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             jobs = ([("demo", lambda: res["runs"].append(
                         run_dtype(args.model, doc, dt, args.sparsity, args.max_new_tokens, args.questions)))]
                     if args.questions else [])
-            if fid_text is not None:
-                jobs.append(("fidelity", lambda: res["fidelity"].append(
-                    fidelity(args.model, fid_text, dt, args.sparsity, *args.fidelity_tokens))))
+            for seed in (args.seeds if fid_text is not None else []):
+                jobs.append((f"fidelity seed {seed}", lambda seed=seed: res["fidelity"].append(
+                    fidelity(args.model, fid_text, dt, args.sparsity, *args.fidelity_tokens, seed=seed))))
             for what, job in jobs:
                 try:
                     job()
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     for dt, err in res.get("errors", {}).items():
         lines.append(f"| {dt} | failed: {err[:200]} | | | | | |")
     for f in res.get("fidelity", []):
-        lines += ["", f"Fidelity, {f['dtype']} (matmul precision {f['matmul_precision']}): a {f['n_ctx']}-token fixed "
+        lines += ["", f"Fidelity, {f['dtype']}, seed {f.get('seed', 0)} (matmul precision {f['matmul_precision']}): a {f['n_ctx']}-token fixed "
                       f"context, {f['n_cont']} scored tokens; KL in nats per token.", "",
                   "| comparison | method | mode | KL mean | KL median | KL max | max abs logit diff |", "|---|---|---|---|---|---|---|"]
         for r in f["rows"]:
