@@ -61,7 +61,8 @@ def _kl_rows(ref_logits, logits):
     return np.asarray(jnp.sum(jnp.exp(a) * (a - b), axis=-1))
 
 
-def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int, n_cont: int, seed: int = 0) -> dict:
+def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int, n_cont: int, seed: int = 0,
+             prefill_precision: str | None = None, index_precision: str | None = None) -> dict:
     """The compiled routes against the reference routes on one index (same selections, so only the
     kernels' arithmetic differs), and Squeezed against full attention under each.
 
@@ -79,8 +80,11 @@ def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int
     ids = tok.encode(text, add_bos=False)
     if len(ids) < n_ctx + n_cont:
         raise ValueError(f"the fidelity document has {len(ids)} tokens; it needs {n_ctx} + {n_cont}")
-    sq = sqjax.FixedContext.build(model, tok.decode(ids[:n_ctx]),
-                                  sqjax.Squeezed(sparsity=sparsity, n_sink=1, seed=seed), chat=False)
+    # the document's prefill and the index build each under their own matmul precision (None: JAX's setting)
+    with jax.default_matmul_precision(prefill_precision):
+        full = sqjax.FixedContext.build(model, tok.decode(ids[:n_ctx]), sqjax.Full(), chat=False)
+    with jax.default_matmul_precision(index_precision):
+        sq = full.with_method(sqjax.Squeezed(sparsity=sparsity, n_sink=1, seed=seed))
     cont = np.asarray(ids[n_ctx:n_ctx + n_cont], np.int32)
     logits = {}
     for name, ctx in (("full", sq.with_method(sqjax.Full())), ("squeezed+sink1", sq)):
@@ -103,6 +107,7 @@ def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int
                          "method": "squeezed+sink1", "mode": mode, "kl_mean": float(kl.mean()),
                          "kl_median": float(np.median(kl)), "kl_max": float(kl.max())})
     return {"dtype": dtype, "n_ctx": sq.n_tokens, "n_cont": int(len(cont)), "seed": seed,
+            "prefill_precision": prefill_precision, "index_precision": index_precision,
             "matmul_precision": str(jax.config.jax_default_matmul_precision), "rows": rows}
 
 
@@ -137,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also compare the compiled routes with the reference routes on this document's index")
     p.add_argument("--fidelity-tokens", type=int, nargs=2, default=(6000, 128), metavar=("CONTEXT", "SCORED"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="k-means seeds of the fidelity index (one run each)")
+    p.add_argument("--prefill-precision", default=None, help="matmul precision of the fidelity document's prefill "
+                   "(e.g. highest; default: JAX's setting, TF32 for float32 on recent GPUs)")
+    p.add_argument("--index-precision", default=None, help="matmul precision of the fidelity index's build")
     p.add_argument("--reference", default=None, help="a real_model.json from another device to compare answers with")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: write the report of this real_model.json (with --reference: the comparison)")
@@ -159,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.questions else [])
             for seed in (args.seeds if fid_text is not None else []):
                 jobs.append((f"fidelity seed {seed}", lambda seed=seed: res["fidelity"].append(
-                    fidelity(args.model, fid_text, dt, args.sparsity, *args.fidelity_tokens, seed=seed))))
+                    fidelity(args.model, fid_text, dt, args.sparsity, *args.fidelity_tokens, seed=seed,
+                             prefill_precision=args.prefill_precision, index_precision=args.index_precision))))
             for what, job in jobs:
                 try:
                     job()
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     for dt, err in res.get("errors", {}).items():
         lines.append(f"| {dt} | failed: {err[:200]} | | | | | |")
     for f in res.get("fidelity", []):
-        lines += ["", f"Fidelity, {f['dtype']}, seed {f.get('seed', 0)} (matmul precision {f['matmul_precision']}): a {f['n_ctx']}-token fixed "
+        lines += ["", f"Fidelity, {f['dtype']}, seed {f.get('seed', 0)} (matmul precision {f['matmul_precision']}; prefill "
+                      f"{f.get('prefill_precision')}, index {f.get('index_precision')}): a {f['n_ctx']}-token fixed "
                       f"context, {f['n_cont']} scored tokens; KL in nats per token.", "",
                   "| comparison | method | mode | KL mean | KL median | KL max | max abs logit diff |", "|---|---|---|---|---|---|---|"]
         for r in f["rows"]:
