@@ -24,7 +24,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from sqjax import baselines, quest, saap, snapkv, squeezed
+from sqjax import baselines, precision, quest, saap, snapkv, squeezed
 from sqjax._checks import check_choice, check_count, check_fraction, check_rank, check_seed, derived_seed
 from sqjax.selection import Buckets, Pages, Selection, dense_selection, from_mask
 
@@ -66,6 +66,11 @@ class Method:
 
     def __post_init__(self):
         check_count("dense_layers", self.dense_layers, 0)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "build" in cls.__dict__:   # every index build at full float32 matmul precision (sqjax.precision)
+            cls.build = precision.index_build(cls.__dict__["build"])
 
     def build(self, data: ContextData):
         return None, {}

@@ -110,7 +110,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_kernels._common import check_scale, static_jit
-from sqjax import squeezed
+from sqjax import precision, squeezed
 from sqjax._checks import check_gqa, check_rank, check_same
 from sqjax.calibration import weighted_quantile
 
@@ -1167,6 +1167,7 @@ def calibrate_sharded(layers: ShardedLayerIndex, q_obs, cfg: squeezed.SqueezedCo
     return index, info
 
 
+@precision.index_build
 def build_sharded_index(k, q_obs, cfg: squeezed.SqueezedConfig, scale: float, mesh: Mesh
                         ) -> tuple[ShardedSqueezedIndex, dict]:
     """Cluster per device + calibrate globally: the sharded counterpart of `build_squeezed_index`."""

@@ -34,6 +34,7 @@ import numpy as np
 
 from sqjax._checks import (check_choice, check_count, check_fraction, check_gqa, check_rank, check_same, check_seed,
                            derived_seed, shape_of)
+from sqjax import precision
 
 VOTES = ("kv", "q")
 
@@ -602,6 +603,7 @@ def observation_window(q_obs: jax.Array, cfg: SqueezedConfig) -> jax.Array:
     return q_obs[:, :, q_obs.shape[2] - cfg.n_obs:]
 
 
+@precision.index_build
 def build_squeezed_index(
     k: jax.Array,      # [Lyr, Hkv, L, d] roped fixed-context keys
     q_obs: jax.Array,  # [Lyr, Hq, n, d] roped queries of the last fixed-context tokens

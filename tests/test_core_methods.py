@@ -449,3 +449,31 @@ def test_the_largest_seed_builds(rng):
         index, _ = m.build(data)
         assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(index)
                    if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def test_index_builds_run_at_full_matmul_precision(rng, monkeypatch):
+    """Every method's build and the pure build function trace their matmuls at "highest" (JAX
+    defaults float32 matmuls to TF32 on GPUs, which made GPU-built indexes worse: sqjax.precision),
+    and the caller's setting is restored afterwards."""
+    from sqjax import kmeans as km_mod, squeezed as sq_mod
+
+    data = _data(rng, n_layers=1, length=300)
+    seen = []
+
+    def spy(name, orig):
+        def run(*a, **k):
+            seen.append((name, jax.config.jax_default_matmul_precision))
+            return orig(*a, **k)
+        return run
+
+    monkeypatch.setattr(sq_mod, "cluster_fixed_context", spy("squeezed", sq_mod.cluster_fixed_context))
+    monkeypatch.setattr(km_mod, "spherical_kmeans", spy("saap", km_mod.spherical_kmeans))   # SAAP imports it per build
+    before = jax.config.jax_default_matmul_precision
+    Squeezed(sparsity=0.7).build(data)
+    sq_mod.build_squeezed_index(data.k, data.q_obs, Squeezed(sparsity=0.7).config, data.scale)
+    Saap(probes=3).build(data)                     # one k-means per layer
+    assert [n for n, _ in seen].count("squeezed") == 2 and "saap" in [n for n, _ in seen]
+    assert {p for _, p in seen} == {"highest"}
+    assert jax.config.jax_default_matmul_precision == before
+    for cls in (Squeezed, HierarchicalSqueezed, Quest, SnapKV, Saap):
+        assert hasattr(cls.build, "__wrapped__"), cls
