@@ -5,9 +5,9 @@ otherwise (`jax_default_matmul_precision`); PyTorch, where the papers' builds ra
 for matmuls by default.  An index build (k-means assignments and seeding, the calibration's Eq. 1
 scores, SnapKV's observation scores) is offline and cheap next to its prefill, so it always runs
 its float32 matmuls at full precision: a GPU-built index then matches the CPU-built one.  Measured
-on SmolLM2 (float32, H200, 6000-token context, 3 k-means seeds): decode KL against full attention
-0.0220 with TF32 builds, 0.0143 with full-precision builds, 0.0170 on the CPU
-(`benchmarks/results/gpu_real_model/`).  bf16 and f16 operands are unaffected (their products are
+on SmolLM2 (float32, H200, 6000-token context, 3 k-means seeds, the prefill in TF32 both times):
+decode KL against full attention 0.0220 with TF32 builds, 0.0143 with full-precision builds, 0.0170
+on the CPU (`benchmarks/results/gpu_real_model/`).  bf16 and f16 operands are unaffected (their products are
 exact either way); the model's own forward passes keep whatever JAX is set to.
 """
 
