@@ -83,7 +83,7 @@ def test_plan_and_settings_from_args():
     assert Q.make_method("squeezed+token", "s0.9", s).n_sink == 0
     with pytest.raises(ValueError, match="unknown method"):
         Q.settings_from_args(argparse.Namespace(methods=["nope"]))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="--classifier: classifier path /nonexistent/clf does not exist"):
         Q.settings_from_args(argparse.Namespace(classifier="/nonexistent/clf"))
     parsed = Q.build_parser().parse_args(["--budgets", "0.2", "--no-passkey", "--context-tokens", "500"])
     s = Q.settings_from_args(parsed)
