@@ -4,11 +4,12 @@ JAX computes float32 matmuls in TF32 (a 10-bit mantissa) on recent NVIDIA GPUs u
 otherwise (`jax_default_matmul_precision`); PyTorch, where the papers' builds ran, keeps TF32 off
 for matmuls by default.  An index build (k-means assignments and seeding, the calibration's Eq. 1
 scores, SnapKV's observation scores) is offline and cheap next to its prefill, so it always runs
-its float32 matmuls at full precision: a GPU-built index then matches the CPU-built one.  Measured
-on SmolLM2 (float32, H200, 6000-token context, 3 k-means seeds, the prefill in TF32 both times):
-decode KL against full attention 0.0220 with TF32 builds, 0.0143 with full-precision builds, 0.0170
-on the CPU (`benchmarks/results/gpu_real_model/`).  bf16 and f16 operands are unaffected (their products are
-exact either way); the model's own forward passes keep whatever JAX is set to.
+its float32 matmuls at full precision, closer to a CPU-built index.  Measured on SmolLM2 (float32,
+H200, 6000-token context, 3 k-means seeds, the prefill in TF32 both times): decode KL against full
+attention 0.0220 with TF32 builds, 0.0143 with full-precision builds, 0.0170 on the CPU
+(`benchmarks/results/gpu_real_model/`, which also shows the part of the GPU-CPU gap this leaves).
+bf16 and f16 operands are unaffected (their products are exact either way); the model's own
+forward passes keep whatever JAX is set to.
 """
 
 from __future__ import annotations
