@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks._meta import metadata
+from benchmarks.quality_engine import kl_per_token
 from sqjax.index_io import write_text_atomic
 
 
@@ -50,15 +51,6 @@ def run_dtype(model_name: str, doc: str, dtype: str, sparsity: float, max_new_to
                          "ttft_s": s.time_to_first_token_s, "tpot_s": s.time_per_output_token_s})
     return {"dtype": dtype, "document_tokens": ctx.n_tokens, "threshold": ctx.info.get("threshold"),
             "load_s": t_load, "build_s": t_build, "index_s": ctx.info.get("index_seconds"), "answers": rows}
-
-
-def _kl_rows(ref_logits, logits):
-    """Per-row KL(softmax(ref) || softmax(x)) of [n, V] logits, in nats."""
-    import numpy as np
-
-    a = jax.nn.log_softmax(jnp.asarray(ref_logits, jnp.float32), axis=-1)
-    b = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    return np.asarray(jnp.sum(jnp.exp(a) * (a - b), axis=-1))
 
 
 def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int, n_cont: int, seed: int = 0,
@@ -96,13 +88,13 @@ def fidelity(model_name: str, text: str, dtype: str, sparsity: float, n_ctx: int
     rows = []
     for mode in ("decode", "prefill"):
         for name in ("full", "squeezed+sink1"):
-            kl = _kl_rows(logits[name, "reference", mode], logits[name, "auto", mode])
+            kl = kl_per_token(logits[name, "reference", mode], logits[name, "auto", mode])
             rows.append({"what": "compiled vs reference", "method": name, "mode": mode,
                          "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                          "max_abs_logit_diff": float(np.max(np.abs(logits[name, "reference", mode]
                                                                    - logits[name, "auto", mode])))})
         for backend in ("auto", "reference"):
-            kl = _kl_rows(logits["full", backend, mode], logits["squeezed+sink1", backend, mode])
+            kl = kl_per_token(logits["full", backend, mode], logits["squeezed+sink1", backend, mode])
             rows.append({"what": f"squeezed vs full ({'compiled' if backend == 'auto' else 'reference'})",
                          "method": "squeezed+sink1", "mode": mode, "kl_mean": float(kl.mean()),
                          "kl_median": float(np.median(kl)), "kl_max": float(kl.max())})
