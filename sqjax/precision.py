@@ -7,9 +7,10 @@ scores, SnapKV's observation scores) is offline and cheap next to its prefill, s
 its float32 matmuls at full precision, closer to a CPU-built index.  Measured on SmolLM2 (float32,
 H200, 6000-token context, 3 k-means seeds, the prefill in TF32 both times): decode KL against full
 attention 0.0220 with TF32 builds, 0.0143 with full-precision builds, 0.0170 on the CPU
-(`benchmarks/results/gpu_real_model/`, which also shows the part of the GPU-CPU gap this leaves).
-bf16 and f16 operands are unaffected (their products are exact either way); the model's own
-forward passes keep whatever JAX is set to.
+(`benchmarks/results/gpu_real_model/`).  bf16 and f16 operands are unaffected (their products
+are exact either way).  The model's own forward passes keep whatever JAX is set to; with
+`JAX_DEFAULT_MATMUL_PRECISION=highest` a float32 model on the GPU reproduced the CPU's quality
+table (`gpu_real_model/eval5_1f9a8f5/`).
 """
 
 from __future__ import annotations
