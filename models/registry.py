@@ -162,13 +162,16 @@ class LoadedModel:
         padded[:, :T] = ids
         return full_logits(self.graphdef, self.state, jnp.asarray(padded))[:, :T]
 
-    def chat_prompt(self, question: str, system: str | None = None) -> str:
+    def chat_prompt(self, question: str, system: str | None = None, history=()) -> str:
         """The chat template applied to one user message (after a system message when `system` is
-        not None; None keeps the template's default), with the assistant turn opened."""
+        not None; None keeps the template's default, and after the (user, assistant) turns of
+        `history`), with the assistant turn opened."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        messages = ([] if system is None else [{"role": "system", "content": system}]) + [
-            {"role": "user", "content": question}]
+        messages = [] if system is None else [{"role": "system", "content": system}]
+        for user, assistant in history:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        messages.append({"role": "user", "content": question})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def new_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:

@@ -1,4 +1,4 @@
-"""`sqjax` command line: demo, index, ask, eval, bench, train-qclassifier.
+"""`sqjax` command line: demo, index, ask, chat, eval, bench, train-qclassifier.
 
 Errors print one line on stderr and exit non-zero (a traceback only with --debug).
 Every subcommand takes --json for machine-readable output on stdout.
@@ -240,21 +240,56 @@ def _index_model(path: Path, header: dict, given: str | None):
                          "pass --model with that model's path") from None
 
 
-def cmd_ask(args) -> int:
+def _check_generation_options(args) -> None:
+    """--max-new-tokens, --temperature, --top-p, --seed (and --batch where it exists), before the model loads."""
+    from sqjax._checks import check_seed
+    from sqjax.fixed_context import SqjaxError, check_sampling
+
+    for flag, value in (("--batch", getattr(args, "batch", 1)), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise SqjaxError(f"{flag} must be >= 1; got {value}")
+    try:
+        check_sampling(args.temperature, args.top_p)
+        check_seed("--seed", args.seed)
+    except ValueError as e:
+        raise SqjaxError(str(e).replace("temperature", "--temperature").replace("top_p", "--top-p")) from None
+
+
+def _load_context(args):
+    """The index of `ask` / `chat` with its model, loaded (and compiled) once for every question."""
     from sqjax.fixed_context import FixedContext, SqjaxError
     from sqjax.index_io import IndexFileError, read_header
 
-    questions = _questions(args)
-    for flag, value in (("--batch", args.batch), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            raise SqjaxError(f"{flag} must be >= 1; got {value}")
     path = Path(args.index)
     try:
         header = read_header(path)
     except IndexFileError as e:
         raise SqjaxError(str(e)) from None
-    model = _index_model(path, header, args.model)
-    ctx = FixedContext.load(path, model)   # loaded (and compiled) once for every question
+    return FixedContext.load(path, _index_model(path, header, args.model))
+
+
+def _sampling(args) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": args.seed}
+
+
+def _answer_json(question: str, ans, **extra) -> str:
+    return dumps({"question": question, **extra, "answer": str(ans), "token_ids": ans.token_ids,
+                  "stats": ans.stats.to_dict()})
+
+
+def _stats_line(ans, n_answers: int = 1) -> str:
+    s = ans.stats
+    per_token = (f"{1e3 * s.time_per_output_token_s:.1f} ms/token" if math.isfinite(s.time_per_output_token_s)
+                 else "no decode step")
+    return (f"[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, {per_token}"
+            + (f" for {n_answers} answers" if n_answers > 1 else "") + f"{', OVERFLOW' if s.overflow else ''}]")
+
+
+def cmd_ask(args) -> int:
+    questions = _questions(args)
+    _check_generation_options(args)
+    ctx = _load_context(args)
     ctx.check_questions(questions, args.max_new_tokens)   # every question fits before the first is answered
     batch = args.batch
     # batch 1: each answer streams as it is generated; larger batches print each answer when its batch ends
@@ -263,21 +298,52 @@ def cmd_ask(args) -> int:
         group = questions[start:start + batch]
         if batch == 1 and len(questions) > 1 and not args.json:
             print(f"Q: {group[0]}")
-        answers = ctx.ask_many(group, max_new_tokens=args.max_new_tokens, on_token=stream)
+        answers = ctx.ask_many(group, on_token=stream, **_sampling(args))
         for q, ans in zip(group, answers):
             if args.json:   # JSON Lines: one object per question, printed as soon as its batch is answered
-                print(dumps({"question": q, "answer": str(ans), "token_ids": ans.token_ids,
-                             "stats": ans.stats.to_dict()}), flush=True)
+                print(_answer_json(q, ans), flush=True)
                 continue
             if batch > 1:
                 print(f"Q: {q}\n{ans}", end="")
-            s = ans.stats
-            per_token = (f"{1e3 * s.time_per_output_token_s:.1f} ms/token" if math.isfinite(s.time_per_output_token_s)
-                         else "no decode step")
-            print(f"\n[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, {per_token}"
-                  + (f" for {len(group)} answers" if len(group) > 1 else "")
-                  + f"{', OVERFLOW' if s.overflow else ''}]" + ("\n" if len(questions) > 1 else ""))
+            print("\n" + _stats_line(ans, len(group)) + ("\n" if len(questions) > 1 else ""))
     return 0
+
+
+def cmd_chat(args) -> int:
+    """A conversation about an indexed document: one question per line of stdin, each asked after
+    the earlier questions and answers; "/reset" starts a new conversation. A question that fails
+    (too long for what is left of the context, ...) prints its error and the conversation goes on."""
+    from sqjax.fixed_context import SqjaxError
+
+    _check_generation_options(args)
+    conv = _load_context(args).conversation()
+    tty = sys.stdin.isatty()
+    failed = 0
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 2 if failed else 0
+        question = line.strip()
+        if not question:
+            continue
+        if question == "/reset":
+            conv.reset()
+            if not args.json:
+                print("[new conversation]")
+            continue
+        stream = None if args.json else (lambda s: print(s, end="", flush=True))
+        try:
+            ans = conv.ask(question, on_token=stream, **_sampling(args))
+        except SqjaxError as e:
+            failed += 1
+            print(f"sqjax: error: {e}", file=sys.stderr, flush=True)
+            continue
+        if args.json:
+            print(_answer_json(question, ans, turn=len(conv.history)), flush=True)
+        else:
+            print("\n" + _stats_line(ans), flush=True)
 
 
 def cmd_eval(args) -> int:
@@ -306,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+
+    def generation(sp):
+        sp.add_argument("--max-new-tokens", type=int, default=64)
+        sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+        sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
+        sp.add_argument("--seed", type=int, default=0, help="the sampling's PRNG seed")
 
     d = sub.add_parser("demo", help="index a real document with the embedded model and answer 3 questions")
     common(d)
@@ -350,11 +422,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more questions; '-' reads one question per line from stdin. "
                         "With --json, one JSON object per question and line")
     a.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")
-    a.add_argument("--max-new-tokens", type=int, default=64)
     a.add_argument("--batch", type=int, default=1,
                    help="answer this many questions at a time in one batch (one model step makes a token for "
                         "each; answers print when their batch ends). Default 1: each answer streams")
+    generation(a)
     a.set_defaults(fn=cmd_ask)
+
+    c = sub.add_parser("chat", help="a conversation about an indexed document: one question per line of stdin, "
+                                    "each asked after the earlier questions and answers")
+    common(c)
+    c.add_argument("index")
+    c.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")
+    generation(c)
+    c.set_defaults(fn=cmd_chat)
 
     e = sub.add_parser("eval", help="quality of every method at matched KV budgets vs full attention")
     common(e)

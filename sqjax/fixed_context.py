@@ -35,6 +35,7 @@ from sqjax.selection import Selection
 
 _SENTINEL = "\u2063SQJAX-QUESTION\u2063"
 _DOC_SENTINEL = "\u2063SQJAX-DOCUMENT\u2063"
+_TURN = "\u2063SQJAX-TURN-{}\u2063"  # the i-th question or answer of a conversation
 _BUCKET = 16  # question lengths are left-padded to a multiple of this (fewer compilations)
 
 
@@ -57,6 +58,33 @@ def _encode_user_text(tok, before: str, user: str, after: str, add_bos) -> list[
     open or close a chat turn. (Text without them is encoded whole, as one string.)"""
     return (tok.encode(before, add_bos=add_bos) + tok.encode(user, add_bos=False, special=False)
             + tok.encode(after, add_bos=False))
+
+
+def check_sampling(temperature, top_p) -> None:
+    """temperature a finite number >= 0 (0 = greedy), top_p in (0, 1]."""
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+        raise SqjaxError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature!r}")
+    if not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
+        raise SqjaxError(f"top_p must lie in (0, 1]; got {top_p!r}")
+
+
+def _check_history(history, what: str = "history") -> tuple[tuple[str, str], ...]:
+    """A conversation's earlier turns: (question, answer) pairs of str, oldest first (an `Answer`
+    is a str). Questions must say something; an answer may be empty (the model may stop at once)."""
+    if history is None:
+        return ()
+    if isinstance(history, (str, bytes)) or not isinstance(history, (list, tuple)):
+        raise SqjaxError(f"{what} must be a list of (question, answer) pairs; got {type(history).__name__}")
+    turns = []
+    for i, turn in enumerate(history, 1):
+        if isinstance(turn, (str, bytes)) or not isinstance(turn, (list, tuple)) or len(turn) != 2:
+            raise SqjaxError(f"{what}: turn {i} must be a (question, answer) pair; got {turn!r:.80}")
+        q, a = turn
+        _check_text(f"{what}: the question of turn {i}", q)
+        if not isinstance(a, str):
+            raise SqjaxError(f"{what}: the answer of turn {i} must be a str; got {type(a).__name__}")
+        turns.append((str(q), str(a)))
+    return tuple(turns)
 
 
 def _check_system(model, system, chat: bool) -> None:
@@ -469,8 +497,11 @@ class FixedContext:
             return self.index
         return dataclasses.replace(self.index, capacity=self.index.n_sink + self.index.n_tail + self.n_tokens)
 
-    def _question_ids(self, question: str) -> np.ndarray:
+    def _question_ids(self, question: str, history: tuple = ()) -> np.ndarray:
+        """Token ids after the document for `question` (after the earlier turns of `history`)."""
         _check_text("the question", question)
+        if history:
+            return self._conversation_ids(question, history)
         tok = self.model.tokenizer
         if tok.has_special_text(question):   # its special tokens' text stays text
             before, after = (part.format() for part in self.suffix_template.split("{question}", 1))
@@ -478,42 +509,99 @@ class FixedContext:
         text = self.suffix_template.format(question=question)
         return np.asarray(tok.encode(text, add_bos=False), np.int32)
 
+    def _conversation_ids(self, question: str, history: tuple) -> np.ndarray:
+        """Token ids after the document for a follow-up: the chat template rendered over the whole
+        conversation, whose first user turn opens with the (already prefilled) document:
+        [user: document + question 1, assistant: answer 1, ..., user: `question`]. Each question and
+        answer is placed as written; special-token text in them stays text."""
+        if not self.chat:
+            raise SqjaxError("a conversation (history) needs the chat template: this context was built with "
+                             "chat=False (--raw); ask without history")
+        pieces = [text for turn in history for text in turn] + [question]
+        marks = [_TURN.format(i) for i in range(len(pieces))]
+        lead = _DOC_SENTINEL + "\n\n"
+        turns = [(lead * (i == 0) + marks[2 * i], marks[2 * i + 1]) for i in range(len(history))]
+        try:
+            rendered = self.model.chat_prompt(marks[-1], self.system, turns)
+        except Exception as e:  # a template that takes no assistant turns raises from jinja
+            raise SqjaxError(f"{self.model.name}'s chat template does not render a conversation ({e}); "
+                             "ask without history") from None
+        head, _, rest = rendered.partition(lead)
+        if head != self.model.chat_prompt(lead + _SENTINEL, self.system).partition(lead)[0]:
+            raise SqjaxError(f"{self.model.name}'s chat template writes the start of a conversation differently "
+                             "from a single question's, so the prefilled document cannot be reused; ask without "
+                             "history")
+        template = []
+        for m in marks:
+            before, found, rest = rest.partition(m)
+            if not found:
+                raise SqjaxError(f"{self.model.name}'s chat template drops or reorders a conversation's turns; "
+                                 "ask without history")
+            template.append(before)
+        tok = self.model.tokenizer
+        if not any(tok.has_special_text(p) for p in pieces):
+            text = "".join(t + p for t, p in zip(template, pieces)) + rest
+            return np.asarray(tok.encode(text, add_bos=False), np.int32)
+        ids: list[int] = []
+        for t, p in zip(template, pieces):
+            ids += tok.encode(t, add_bos=False) + tok.encode(p, add_bos=False, special=False)
+        return np.asarray(ids + tok.encode(rest, add_bos=False), np.int32)
+
+    def conversation(self) -> "Conversation":
+        """A conversation about the document: each question sees the earlier questions and answers."""
+        if not self.chat:
+            raise SqjaxError("a conversation needs the chat template: this context was built with chat=False "
+                             "(--raw); build it with the template, or ask questions one by one")
+        return Conversation(self)
+
     def check_questions(self, questions, max_new_tokens: int = 64, temperature: float = 0.0,
-                        top_p: float = 1.0) -> list[np.ndarray]:
+                        top_p: float = 1.0, histories=None) -> list[np.ndarray]:
         """Token ids of each question's prompt, once the request is known to be valid: every question a
-        non-empty str, document + question + max_new_tokens within the model's context (questions
-        counted from 1), max_new_tokens an int >= 1, temperature finite >= 0, 0 < top_p <= 1."""
+        non-empty str, document + question (+ its conversation's earlier turns, `histories[i]`) +
+        max_new_tokens within the model's context (questions counted from 1), max_new_tokens an int
+        >= 1, temperature finite >= 0, 0 < top_p <= 1."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise SqjaxError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
-        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
-            raise SqjaxError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature!r}")
-        if not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
-            raise SqjaxError(f"top_p must lie in (0, 1]; got {top_p!r}")
+        check_sampling(temperature, top_p)
         if isinstance(questions, str) or not len(questions):
             raise SqjaxError("ask_many takes a non-empty list of questions (ask() takes one string)")
         which = (lambda i: f"question {i + 1} of {len(questions)}") if len(questions) > 1 else (lambda i: "the question")
         for i, q in enumerate(questions):
             _check_text(which(i), q)
-        q_ids = [self._question_ids(q) for q in questions]
+        if histories is None:
+            histories = [()] * len(questions)
+        elif isinstance(histories, (str, bytes)) or not isinstance(histories, (list, tuple)) \
+                or len(histories) != len(questions):
+            raise SqjaxError(f"histories must be a list with one history (a list of (question, answer) pairs, or "
+                             f"None) per question: {len(questions)}; got {histories!r:.80}")
+        histories = [_check_history(h, f"the history of {which(i)}") for i, h in enumerate(histories)]
+        q_ids = [self._question_ids(q, h) for q, h in zip(questions, histories)]
         limit = self.model.config.max_position_embeddings
         for i, ids in enumerate(q_ids):
             total = self.n_tokens + len(ids) + max_new_tokens
             if total > limit:
+                turns = f" with {len(histories[i])} earlier turns" if histories[i] else ""
                 raise SqjaxError(
-                    f"document ({self.n_tokens}) + {which(i)} ({len(ids)}) + {max_new_tokens} new tokens = {total} "
-                    f"tokens exceed the model's context of {limit}; shorten {which(i)} or ask for fewer new tokens"
+                    f"document ({self.n_tokens}) + {which(i)}{turns} ({len(ids)}) + {max_new_tokens} new tokens = "
+                    f"{total} tokens exceed the model's context of {limit}; shorten {which(i)}"
+                    + (", start a new conversation" if turns else "") + " or ask for fewer new tokens"
                 )
         return q_ids
 
     def ask(self, question: str, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
-            seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None) -> Answer:
-        """Answer `question` about the document (greedy by default); streams text to `on_token`."""
+            seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None, history=None) -> Answer:
+        """Answer `question` about the document (greedy by default); streams text to `on_token`.
+
+        history: earlier (question, answer) turns of a conversation about the document, oldest
+        first; they are prefilled again after the document with this question (`conversation()`
+        keeps them for you)."""
         stream = None if on_token is None else (lambda _i, text: on_token(text))
         return self.ask_many([question], max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             on_token=stream, stop_ids=stop_ids)[0]
+                             on_token=stream, stop_ids=stop_ids, histories=None if history is None else [history])[0]
 
     def ask_many(self, questions, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, on_token: Callable[[int, str], Any] | None = None, stop_ids=None) -> list[Answer]:
+                 seed: int = 0, on_token: Callable[[int, str], Any] | None = None, stop_ids=None,
+                 histories=None) -> list[Answer]:
         """Answer several questions in one batch: one prefill of the left-padded questions [B, T]
         and one decode step per token for all rows, so the model's weights are read once per step
         for the batch. Every row attends to the same fixed context (one copy of its K/V) with its
@@ -524,9 +612,10 @@ class FixedContext:
         Each answer's stats count its own lookups; time to first token and time per output token
         are the batch's (one step produces a token for every row). With sampling (temperature > 0)
         one key per step serves all rows, so a row's draws depend on the batch it is in.
+        histories: None, or one history per question (see `ask`): a batch of conversations.
         """
         questions = questions if isinstance(questions, str) else list(questions)   # any iterable of str
-        q_ids = self.check_questions(questions, max_new_tokens, temperature, top_p)
+        q_ids = self.check_questions(questions, max_new_tokens, temperature, top_p, histories)
         try:
             check_seed("seed", seed)
         except ValueError as e:
@@ -708,6 +797,26 @@ class FixedContext:
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
+
+class Conversation:
+    """Follow-up questions about one `FixedContext`: each question is asked after the earlier
+    questions and answers (`FixedContext.ask(..., history=...)`); the document's prefill and index
+    are shared, the earlier turns are prefilled again with each question."""
+
+    def __init__(self, context: FixedContext):
+        self.context = context
+        self.history: list[tuple[str, str]] = []   # (question, answer) turns, oldest first
+
+    def ask(self, question: str, max_new_tokens: int = 64, **kwargs) -> Answer:
+        """`FixedContext.ask` after this conversation's turns; the turn is kept once answered."""
+        answer = self.context.ask(question, max_new_tokens, history=list(self.history), **kwargs)
+        self.history.append((question, str(answer)))
+        return answer
+
+    def reset(self) -> None:
+        """Forget the earlier turns (the next question starts a new conversation)."""
+        self.history.clear()
+
 
 def _inv_freq(config) -> np.ndarray:
     from models.rope import config_frequencies

@@ -44,7 +44,7 @@ def _run(capsys, *argv):
 def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "sqjax.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
-    for sub in ("demo", "index", "ask", "eval", "bench", "train-qclassifier"):
+    for sub in ("demo", "index", "ask", "chat", "eval", "bench", "train-qclassifier"):
         assert sub in out.stdout
 
 
@@ -175,6 +175,56 @@ def test_ask_many_questions_in_one_process(capsys, monkeypatch, model_dir, doc_f
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
     code, out, err = _run(capsys, "ask", str(idx), "-", "--model", model_dir)
     assert code != 0 and not out and "no questions on stdin" in _error_line(err)
+
+
+def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_file, tmp_path):
+    """`sqjax chat`: each stdin line a question asked after the earlier turns (the API's answer with
+    that history), "/reset" starts over, a failing question prints its error and the rest go on."""
+    import io
+
+    idx = tmp_path / "chat.sqx"
+    assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--sparsity", "0.8", "--json"]) == 0
+    capsys.readouterr()
+    qs = ["Which valve was serviced in room 3?", "And in room 4?", "Which colour?"]
+    too_long = "Tell me more. " * 600
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[0]}\n\n{qs[1]}\n{too_long}\n/reset\n{qs[2]}\n"))
+    code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "4", "--json")
+    assert code == 2 and err.count("sqjax: error: ") == 1 and "exceed the model's context" in err
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [(r["question"], r["turn"]) for r in rows] == [(qs[0], 1), (qs[1], 2), (qs[2], 1)]
+    ctx = FixedContext.load(idx, sqjax.load_model(model_dir))
+    first = ctx.ask(qs[0], max_new_tokens=4)
+    assert rows[0]["token_ids"] == first.token_ids
+    assert rows[1]["token_ids"] == ctx.ask(qs[1], max_new_tokens=4, history=[(qs[0], first)]).token_ids
+    assert rows[2]["token_ids"] == ctx.ask(qs[2], max_new_tokens=4).token_ids
+    # text output: streamed answers with a stats line each; sampling options reach the answers
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[0]}\n/reset\n"))
+    code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "3",
+                          "--temperature", "0.9", "--top-p", "0.8", "--seed", "7")
+    assert code == 0, err
+    assert out.count("KV budget") == 1 and "[new conversation]" in out
+    sampled = ctx.ask(qs[0], max_new_tokens=3, temperature=0.9, top_p=0.8, seed=7)
+    assert out.startswith(str(sampled))
+    # an index built without the chat template cannot hold a conversation
+    raw = tmp_path / "raw.sqx"
+    assert main(["index", str(doc_file), "-o", str(raw), "--model", model_dir, "--raw", "--json"]) == 0
+    capsys.readouterr()
+    code, out, err = _run(capsys, "chat", str(raw), "--model", model_dir)
+    assert code != 0 and not out and "needs the chat template" in _error_line(err)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--temperature", "-1"), "--temperature must be a finite number >= 0"),
+    (("--top-p", "0"), "--top-p must lie in (0, 1]"),
+    (("--seed", "-3"), "--seed must be an integer in [0, 2**32)"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+])
+@pytest.mark.parametrize("cmd", ["ask", "chat"])
+def test_generation_options_are_checked_before_anything_loads(capsys, tmp_path, cmd, argv, message):
+    """The index does not exist and the model is not a model: the option's error comes first."""
+    args = [cmd, str(tmp_path / "none.sqx")] + (["hi"] if cmd == "ask" else []) + ["--model", "nowhere", *argv]
+    code, out, err = _run(capsys, *args)
+    assert code != 0 and not out and message in _error_line(err)
 
 
 def test_ask_errors(capsys, model_dir, doc_file, tmp_path):
