@@ -92,6 +92,11 @@ def make_method(args):
     return method_from_name(args.method, **kwargs)
 
 
+def _show_progress(args) -> bool:
+    """Progress bars on stderr for a person watching: not with --json, not into a file or pipe."""
+    return not args.json and sys.stderr.isatty()
+
+
 def _json_safe(x):
     """`x` with every non-finite float as None (JSON has no NaN or infinity)."""
     if isinstance(x, dict):
@@ -133,7 +138,7 @@ def cmd_demo(args) -> int:
     doc = demo_document()
     method = sqjax.Squeezed(sparsity=args.sparsity, n_sink=args.n_sink)
     say(f"indexing the pydoc page of `{DEMO_MODULE}` with {method.label} ...")
-    ctx = FixedContext.build(model, doc, method, truncate=True, progress=not args.json)
+    ctx = FixedContext.build(model, doc, method, truncate=True, progress=_show_progress(args))
     full = ctx.with_method(sqjax.Full())
     say(f"document: {ctx.n_tokens} tokens; threshold T={ctx.info['threshold']:.3g}; "
         f"index built in {ctx.info['index_seconds']:.1f}s\n")
@@ -190,7 +195,7 @@ def cmd_index(args) -> int:
     method = make_method(args)
     model = sqjax.load_model(args.model)
     t0 = time.perf_counter()
-    ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=not args.json, chat=not args.raw,
+    ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=_show_progress(args), chat=not args.raw,
                              system=args.system)
     ctx.save(out)
     payload = {"index": str(out), "document_tokens": ctx.n_tokens, "method": method.label,

@@ -206,9 +206,14 @@ def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_
     sampled = ctx.ask(qs[0], max_new_tokens=3, temperature=0.9, top_p=0.8, seed=7)
     assert out.startswith(str(sampled))
     # an index built without the chat template cannot hold a conversation
+    # (its build shows progress bars on a terminal only: not into a file or pipe, not with --json)
     raw = tmp_path / "raw.sqx"
-    assert main(["index", str(doc_file), "-o", str(raw), "--model", model_dir, "--raw", "--json"]) == 0
-    capsys.readouterr()
+    code, out, err = _run(capsys, "index", str(doc_file), "-o", str(raw), "--model", model_dir, "--raw")
+    assert code == 0 and "indexed" in out and "prefill" not in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = _run(capsys, "index", str(doc_file), "-o", str(raw), "--model", model_dir, "--raw")
+    assert code == 0 and "prefill" in err and "clustering" in err
+    monkeypatch.undo()
     code, out, err = _run(capsys, "chat", str(raw), "--model", model_dir)
     assert code != 0 and not out and "needs the chat template" in _error_line(err)
 
