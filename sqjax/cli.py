@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 DEMO_MODULE = "json"
@@ -90,6 +91,16 @@ def make_method(args):
     if args.method in BUDGETED and (args.budget is not None or args.sparsity is not None):
         kwargs["budget"] = args.budget if args.budget is not None else 1.0 - args.sparsity
     return method_from_name(args.method, **kwargs)
+
+
+_plain_format_warning = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """sqjax's own warnings as one line, like its errors; others as Python prints them."""
+    if category is UserWarning and f"{os.sep}sqjax{os.sep}" in filename:
+        return f"sqjax: warning: {message}\n"
+    return _plain_format_warning(message, category, filename, lineno, line)
 
 
 def _show_progress(args) -> bool:
@@ -476,6 +487,7 @@ def main(argv=None) -> int:
     else:
         args = parser.parse_args(argv)
     _enable_compilation_cache()
+    warnings.formatwarning = _format_warning
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import ClassVar
 
 import jax
@@ -443,6 +444,9 @@ class Saap(Method):
                                                                deterministic=self.deterministic_build))
                   for i in range(data.n_layers)]
             unit = jnp.stack([r.unit_centroids for r in km])
+        if self.probes >= c:
+            warnings.warn(f"Saap(probes={self.probes}) visits all {c} buckets of this {data.length}-token context, so "
+                          f"it reads every key (KV budget >= 1); pass probes < {c} for a sparse read", stacklevel=3)
         labels = jnp.stack([saap.assign_keys(data.k_pre[i], unit[i]) for i in range(data.n_layers)])
         off, lst = jax.vmap(lambda lab: saap.inverted_lists(lab, c))(labels)
         index = {"unit": unit, "labels": labels, "off": off, "lst": lst}

@@ -77,6 +77,25 @@ def test_index_other_methods(capsys, model_dir, doc_file, tmp_path, method, extr
         assert FixedContext.load(tmp_path / "m.sqx", sqjax.load_model(model_dir)).method.deterministic_build
 
 
+def test_sqjax_warnings_print_as_one_line(capsys, model_dir, doc_file, tmp_path):
+    """SAAP's 32 default probes cover all 16 buckets of this short document: the build warns, and the
+    command line prints sqjax's warnings as one line (other libraries' as Python does)."""
+    import warnings
+
+    from sqjax.cli import _format_warning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "s.sqx"), "--model", model_dir,
+                              "--method", "saap", "--json")
+    assert code == 0, err
+    (w,) = [w for w in seen if "visits all" in str(w.message)]
+    line = _format_warning(w.message, w.category, w.filename, w.lineno)
+    assert line.startswith("sqjax: warning: Saap(probes=32) visits all 16 buckets") and line.count("\n") == 1
+    other = _format_warning(DeprecationWarning("old"), DeprecationWarning, "/x/jax/y.py", 3)
+    assert "DeprecationWarning: old" in other
+
+
 def test_index_with_decode_calibration(capsys, model_dir, doc_file, tmp_path):
     code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "t.sqx"), "--model", model_dir,
                           "--method", "hsqueezed", "--decode-calibration", "token", "--lookup-int8", "--json")

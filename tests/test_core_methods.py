@@ -418,6 +418,20 @@ def test_method_field_errors():
     assert Saap(n_buckets=5).sizes(700) == (5, 63) and Saap().sizes(700) == (16, 63)
 
 
+def test_saap_with_a_probe_for_every_bucket_warns(rng):
+    """Saap() on a short context (16 buckets below 1K tokens, 32 probes) reads everything: it says so
+    at build time and names the probe count that reads sparsely; fewer probes build quietly."""
+    import warnings
+
+    data = _data(rng, n_layers=1)
+    with pytest.warns(UserWarning, match=r"Saap\(probes=32\) visits all 16 buckets of this 700-token context.*"
+                                         r"pass probes < 16"):
+        Saap().build(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Saap(probes=15).build(data)
+
+
 def test_streaming_sink_past_the_budget_is_an_error():
     k = jnp.zeros((2, 630, 8))
     q = jnp.zeros((4, 1, 8))
