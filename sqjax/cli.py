@@ -21,6 +21,7 @@ DEMO_QUESTIONS = (
     "Which exception does json.loads raise for invalid JSON?",
     "Summarize what the json module is for.",
 )
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 METHOD_CHOICES = ("squeezed", "hsqueezed", "quest", "snapkv", "saap", "streaming", "oracle", "full")
 
 
@@ -145,7 +146,7 @@ def cmd_demo(args) -> int:
     t_start = time.perf_counter()
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     say(f"loading {args.model} ...")
-    model = sqjax.load_model(args.model)
+    model = sqjax.load_model(args.model, dtype=args.dtype)
     doc = demo_document()
     method = sqjax.Squeezed(sparsity=args.sparsity, n_sink=args.n_sink)
     say(f"indexing the pydoc page of `{DEMO_MODULE}` with {method.label} ...")
@@ -204,7 +205,7 @@ def cmd_index(args) -> int:
     if not text.strip():
         raise SqjaxError(f"document is empty: {doc_path} holds no text")
     method = make_method(args)
-    model = sqjax.load_model(args.model)
+    model = sqjax.load_model(args.model, dtype=args.dtype)
     t0 = time.perf_counter()
     ctx = FixedContext.build(model, text, method, truncate=args.truncate, progress=_show_progress(args), chat=not args.raw,
                              system=args.system)
@@ -236,23 +237,29 @@ def _questions(args) -> list[str]:
 
 
 def _index_model(path: Path, header: dict, given: str | None):
-    """The model an index is answered with: --model, else the one its header names (checked: a
-    header damaged in that field reads as the corruption it is)."""
+    """The model an index is answered with: --model, else the one its header names, in the dtype it
+    was built in (checked: a header damaged in those fields reads as the corruption it is)."""
     import sqjax
     from sqjax.fixed_context import SqjaxError
     from sqjax.index_io import IndexFileError, load_index
 
-    if given:
-        return sqjax.load_model(given)
-    source = header.get("model_source") or "smollm2-135m"
-    try:
-        return sqjax.load_model(source)
-    except (OSError, ValueError) as e:
+    def damaged_or(message: str):
         try:
             load_index(path)
         except IndexFileError as bad:
-            raise SqjaxError(str(bad)) from None
-        raise SqjaxError(f"{path} was built with the model {source!r}, which does not load here ({e}); "
+            return SqjaxError(str(bad))
+        return SqjaxError(message)
+
+    dtype = header.get("model_dtype") or "float32"   # indexes from before the field: float32
+    if dtype not in DTYPE_CHOICES:
+        raise damaged_or(f"{path} was built with the model in {dtype!r}, which sqjax does not load; rebuild it")
+    if given:
+        return sqjax.load_model(given, dtype=dtype)
+    source = header.get("model_source") or "smollm2-135m"
+    try:
+        return sqjax.load_model(source, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise damaged_or(f"{path} was built with the model {source!r}, which does not load here ({e}); "
                          "pass --model with that model's path") from None
 
 
@@ -398,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="index a real document with the embedded model and answer 3 questions")
     common(d)
     d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="the model's compute dtype")
     d.add_argument("--sparsity", type=float, default=0.9)
     d.add_argument("--n-sink", type=int, default=1, help="attention-sink tokens kept exactly (0 = paper exact)")
     d.add_argument("--questions", type=int, default=3)
@@ -409,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("document")
     i.add_argument("-o", "--output", required=True)
     i.add_argument("--model", default="smollm2-135m")
+    i.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="the model's compute dtype (saved with the index: ask and chat load the model in it)")
     i.add_argument("--method", default="squeezed", choices=METHOD_CHOICES)
     i.add_argument("--sparsity", type=float, default=None, help="squeezed: fraction pruned (default 0.9)")
     i.add_argument("--budget", type=float, default=None, help="quest/snapkv/streaming/oracle: fraction kept")

@@ -382,6 +382,33 @@ def test_ask_finds_the_model_the_index_names(capsys, model_dir, doc_file, tmp_pa
     assert code == 0, err
 
 
+def test_index_dtype_is_the_one_ask_and_chat_load(capsys, monkeypatch, model_dir, doc_file, tmp_path):
+    """`index --dtype bfloat16` builds with the model in bf16 and saves that; `ask` and `chat` load the
+    model in it (before, they loaded float32 and the index was refused)."""
+    import io
+
+    import jax.numpy as jnp
+
+    from sqjax.index_io import read_header
+
+    idx = tmp_path / "bf16.sqx"
+    code, out, err = _run(capsys, "index", str(doc_file), "-o", str(idx), "--model", model_dir, "--dtype", "bfloat16",
+                          "--sparsity", "0.8", "--json")
+    assert code == 0, err
+    assert read_header(idx)["model_dtype"] == "bfloat16"
+    code, out, err = _run(capsys, "ask", str(idx), "Which room?", "--model", model_dir, "--max-new-tokens", "3",
+                          "--json")
+    assert code == 0, err
+    ctx = FixedContext.load(idx, sqjax.load_model(model_dir, dtype=jnp.bfloat16))
+    assert json.loads(out)["token_ids"] == ctx.ask("Which room?", max_new_tokens=3).token_ids
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Which room?\n"))
+    code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "3", "--json")
+    assert code == 0 and json.loads(out)["token_ids"] == ctx.ask("Which room?", max_new_tokens=3).token_ids
+    with pytest.raises(SystemExit) as e:  # argparse names the dtypes it takes
+        main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--dtype", "int8"])
+    assert e.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_fingerprint_ignores_file_names_and_accepts_the_old_one(capsys, model_dir, doc_file, tmp_path):
     model = sqjax.load_model(model_dir)
     (weights,) = model.weight_files
