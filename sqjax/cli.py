@@ -271,11 +271,11 @@ def _check_generation_options(args) -> None:
     for flag, value in (("--batch", getattr(args, "batch", 1)), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise SqjaxError(f"{flag} must be >= 1; got {value}")
+    check_sampling(args.temperature, args.top_p, names=("--temperature", "--top-p"))
     try:
-        check_sampling(args.temperature, args.top_p)
         check_seed("--seed", args.seed)
     except ValueError as e:
-        raise SqjaxError(str(e).replace("temperature", "--temperature").replace("top_p", "--top-p")) from None
+        raise SqjaxError(str(e)) from None
 
 
 def _load_context(args):

@@ -52,20 +52,23 @@ def _check_text(what: str, text) -> None:
         raise SqjaxError(f"{what} is empty: " + ("pass a text file with content" if what == "the document" else "ask something"))
 
 
-def _encode_user_text(tok, before: str, user: str, after: str, add_bos) -> list[int]:
-    """Token ids of template text around a document or question: special tokens written in the
-    template map to their ids, those written in `user` stay text, so a document or question cannot
-    open or close a chat turn. (Text without them is encoded whole, as one string.)"""
-    return (tok.encode(before, add_bos=add_bos) + tok.encode(user, add_bos=False, special=False)
-            + tok.encode(after, add_bos=False))
+def _encode_user_text(tok, template: list[str], user: list[str], add_bos) -> list[int]:
+    """Token ids of template text around user text (a document, questions, answers), interleaved
+    template[0] user[0] template[1] ... user[-1] template[-1]: special tokens written in the
+    template map to their ids, those written in user text stay text, so it cannot open or close a
+    chat turn. (Text without them is encoded whole, as one string.)"""
+    ids = tok.encode(template[0], add_bos=add_bos)
+    for text, after in zip(user, template[1:], strict=True):
+        ids += tok.encode(text, add_bos=False, special=False) + tok.encode(after, add_bos=False)
+    return ids
 
 
-def check_sampling(temperature, top_p) -> None:
-    """temperature a finite number >= 0 (0 = greedy), top_p in (0, 1]."""
+def check_sampling(temperature, top_p, names: tuple[str, str] = ("temperature", "top_p")) -> None:
+    """temperature a finite number >= 0 (0 = greedy), top_p in (0, 1]; errors call them `names`."""
     if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
-        raise SqjaxError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature!r}")
+        raise SqjaxError(f"{names[0]} must be a finite number >= 0 (0 = greedy); got {temperature!r}")
     if not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
-        raise SqjaxError(f"top_p must lie in (0, 1]; got {top_p!r}")
+        raise SqjaxError(f"{names[1]} must lie in (0, 1]; got {top_p!r}")
 
 
 def _check_history(history, what: str = "history") -> tuple[tuple[str, str], ...]:
@@ -359,7 +362,7 @@ class FixedContext:
         add_bos = False if chat else None
         if tok.has_special_text(document):   # its special tokens' text stays text
             head, text, mid = cls._document_span(model, prefix, chat, system)
-            ids = np.asarray(_encode_user_text(tok, head, text, mid, add_bos), np.int32)
+            ids = np.asarray(_encode_user_text(tok, [head, mid], [text], add_bos), np.int32)
         else:
             ids = np.asarray(tok.encode(prefix, add_bos=add_bos), np.int32)
         limit = model.config.max_position_embeddings - reserve
@@ -505,7 +508,7 @@ class FixedContext:
         tok = self.model.tokenizer
         if tok.has_special_text(question):   # its special tokens' text stays text
             before, after = (part.format() for part in self.suffix_template.split("{question}", 1))
-            return np.asarray(_encode_user_text(tok, before, question, after, add_bos=False), np.int32)
+            return np.asarray(_encode_user_text(tok, [before, after], [question], add_bos=False), np.int32)
         text = self.suffix_template.format(question=question)
         return np.asarray(tok.encode(text, add_bos=False), np.int32)
 
@@ -539,13 +542,10 @@ class FixedContext:
                                  "ask without history")
             template.append(before)
         tok = self.model.tokenizer
-        if not any(tok.has_special_text(p) for p in pieces):
-            text = "".join(t + p for t, p in zip(template, pieces)) + rest
-            return np.asarray(tok.encode(text, add_bos=False), np.int32)
-        ids: list[int] = []
-        for t, p in zip(template, pieces):
-            ids += tok.encode(t, add_bos=False) + tok.encode(p, add_bos=False, special=False)
-        return np.asarray(ids + tok.encode(rest, add_bos=False), np.int32)
+        if any(tok.has_special_text(p) for p in pieces):
+            return np.asarray(_encode_user_text(tok, template + [rest], pieces, add_bos=False), np.int32)
+        text = "".join(t + p for t, p in zip(template, pieces)) + rest
+        return np.asarray(tok.encode(text, add_bos=False), np.int32)
 
     def conversation(self) -> "Conversation":
         """A conversation about the document: each question sees the earlier questions and answers."""
