@@ -209,10 +209,26 @@ def _read(path, with_arrays: bool) -> tuple[dict, dict]:
             meta = f.metadata() or {}
             arrays = {k: f.get_tensor(k) for k in f.keys()} if with_arrays else {}
     except Exception as e:  # safetensors raises its own types for truncated/garbled headers
+        if path.suffix != ".sqx" and _looks_like_text(path):
+            raise IndexFileError(f"{path} is a text file, not a sqjax index; index it first: "
+                                 f"`sqjax index {path} -o {path.with_suffix('.sqx')}`") from None
         raise IndexFileError(
             f"{path} is not a readable sqjax index (corrupted or truncated: {e}); rebuild it with `sqjax index`"
         ) from None
     return meta, arrays
+
+
+def _looks_like_text(path: Path) -> bool:
+    """Whether the file starts as UTF-8 text (a document given where its index belongs). An index
+    starts with its header's length, 8 bytes little-endian: zero bytes for any real header."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:   # not merely a character cut at the end of the read
+            return False
+    return bool(head) and b"\0" not in head
 
 
 def read_header(path) -> dict:

@@ -263,6 +263,10 @@ def test_ask_errors(capsys, model_dir, doc_file, tmp_path):
     assert code != 0 and "corrupted or truncated" in _error_line(err)
     code, _, err = _run(capsys, "ask", str(tmp_path / "none.sqx"), "hi", "--model", model_dir)
     assert code != 0 and "not found" in _error_line(err)
+    # the document given where its index belongs: the message says how to index it
+    code, _, err = _run(capsys, "ask", str(doc_file), "hi", "--model", model_dir)
+    assert code != 0 and f"{doc_file} is a text file, not a sqjax index; index it first: `sqjax index {doc_file} " \
+        f"-o {doc_file.with_suffix('.sqx')}`" in _error_line(err)
 
 
 def test_index_options_a_method_does_not_take_are_errors(capsys, doc_file, tmp_path):
