@@ -143,6 +143,13 @@ def cmd_demo(args) -> int:
     import sqjax
     from sqjax.fixed_context import FixedContext
 
+    from sqjax.fixed_context import SqjaxError
+
+    if not 1 <= args.questions <= len(DEMO_QUESTIONS):
+        raise SqjaxError(f"--questions must lie in [1, {len(DEMO_QUESTIONS)}] (the demo has {len(DEMO_QUESTIONS)}); "
+                         f"got {args.questions}")
+    if args.max_new_tokens < 1:
+        raise SqjaxError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     t_start = time.perf_counter()
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     say(f"loading {args.model} ...")
@@ -165,8 +172,7 @@ def cmd_demo(args) -> int:
         say(f"  {method.label:>14}: {a.strip()!r}")
         say(f"  {'full':>14}: {b.strip()!r}")
         say(f"  KV budget {a.stats.kv_budget:.3f} (prefill {a.stats.kv_budget_prefill:.3f}) | "
-            f"time/token {1e3 * a.stats.time_per_output_token_s:.1f} ms vs full {1e3 * b.stats.time_per_output_token_s:.1f} ms | "
-            f"token agreement {agree:.0%}\n")
+            f"time/token {_per_token(a.stats)} vs full {_per_token(b.stats)} | token agreement {agree:.0%}\n")
     total = time.perf_counter() - t_start
     say(f"done in {total:.0f}s (CPU timings include no GPU kernels; see README for GPU numbers)")
     if args.json:
@@ -301,11 +307,15 @@ def _answer_json(question: str, ans, **extra) -> str:
                   "stats": ans.stats.to_dict()})
 
 
+def _per_token(stats, unit: str = "ms") -> str:
+    """An answer's time per output token, or what stands for it when the answer had no decode step."""
+    t = stats.time_per_output_token_s
+    return f"{1e3 * t:.1f} {unit}" if math.isfinite(t) else "no decode step"
+
+
 def _stats_line(ans, n_answers: int = 1) -> str:
     s = ans.stats
-    per_token = (f"{1e3 * s.time_per_output_token_s:.1f} ms/token" if math.isfinite(s.time_per_output_token_s)
-                 else "no decode step")
-    return (f"[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, {per_token}"
+    return (f"[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, {_per_token(s, 'ms/token')}"
             + (f" for {n_answers} answers" if n_answers > 1 else "") + f"{', OVERFLOW' if s.overflow else ''}]")
 
 
