@@ -371,7 +371,8 @@ def cmd_chat(args) -> int:
             ans = conv.ask(question, on_token=stream, **_sampling(args))
         except SqjaxError as e:
             failed += 1
-            print(f"sqjax: error: {e}", file=sys.stderr, flush=True)
+            print(f"sqjax: error: {str(e).replace('start a new conversation', 'start a new conversation (/reset)')}",
+                  file=sys.stderr, flush=True)
             continue
         if args.json:
             print(_answer_json(question, ans, turn=len(conv.history)), flush=True)

@@ -209,6 +209,7 @@ def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[0]}\n\n{qs[1]}\n{too_long}\n/reset\n{qs[2]}\n"))
     code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "4", "--json")
     assert code == 2 and err.count("sqjax: error: ") == 1 and "exceed the model's context" in err
+    assert "start a new conversation (/reset)" in err
     rows = [json.loads(line) for line in out.strip().splitlines()]
     assert [(r["question"], r["turn"]) for r in rows] == [(qs[0], 1), (qs[1], 2), (qs[2], 1)]
     ctx = FixedContext.load(idx, sqjax.load_model(model_dir))
