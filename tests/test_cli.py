@@ -288,7 +288,10 @@ def test_index_options_a_method_does_not_take_are_errors(capsys, doc_file, tmp_p
 def test_index_options_reach_the_method(capsys, model_dir, doc_file, tmp_path):
     cases = [(("--method", "saap", "--probes", "3", "--n-sink", "2"), {"probes": 3, "n_sink": 2}),
              (("--method", "streaming", "--sparsity", "0.75"), {"budget": 0.25, "n_sink": 4}),
-             (("--method", "quest", "--budget", "0.3"), {"budget": 0.3})]
+             (("--method", "quest", "--budget", "0.3"), {"budget": 0.3}),
+             # Squeezed keeps the first token exact unless told (the paper's n_sink=0 on request)
+             (("--method", "squeezed",), {"n_sink": 1, "sparsity": 0.9}),
+             (("--method", "hsqueezed", "--n-sink", "0"), {"n_sink": 0})]
     model = sqjax.load_model(model_dir)
     for extra, want in cases:
         code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--model", model_dir,
