@@ -49,10 +49,6 @@ def demo_document() -> str:
 
 
 SQUEEZED = ("squeezed", "hsqueezed")
-# `sqjax index` keeps the first token exact for Squeezed unless --n-sink says otherwise: the paper's
-# method (n_sink=0, the library's default) drops SmolLM2's attention sink (decode KL 0.305 against
-# 0.023 with it at 90%, README's quality table); the demo runs with 1 too.
-CLI_SQUEEZED_SINK = 1
 BUDGETED = ("quest", "snapkv", "streaming", "oracle")
 # `sqjax index` options -> the methods that take them (a method that has no use for a given option is an error)
 INDEX_OPTIONS = {
@@ -87,14 +83,14 @@ def check_index_options(args) -> None:
 
 def make_method(args):
     """The method `sqjax index` builds from its (checked) options."""
-    from sqjax.methods import method_from_name
+    from sqjax.methods import DEFAULT_SINK, method_from_name
 
     param = {"deterministic": "deterministic_build"}
     kwargs = {param.get(k, k): getattr(args, k) for k in _given_index_options(args) if k not in ("sparsity", "budget")}
     if args.method in SQUEEZED and args.sparsity is not None:
         kwargs["sparsity"] = args.sparsity
     if args.method in SQUEEZED:
-        kwargs.setdefault("n_sink", CLI_SQUEEZED_SINK)
+        kwargs.setdefault("n_sink", DEFAULT_SINK)   # unless --n-sink says otherwise (0: the paper exactly)
     if args.method in BUDGETED and (args.budget is not None or args.sparsity is not None):
         kwargs["budget"] = args.budget if args.budget is not None else 1.0 - args.sparsity
     return method_from_name(args.method, **kwargs)
@@ -150,6 +146,7 @@ def cmd_demo(args) -> int:
     from sqjax.fixed_context import FixedContext
 
     from sqjax.fixed_context import SqjaxError
+    from sqjax.methods import DEFAULT_SINK
 
     if not 1 <= args.questions <= len(DEMO_QUESTIONS):
         raise SqjaxError(f"--questions must lie in [1, {len(DEMO_QUESTIONS)}] (the demo has {len(DEMO_QUESTIONS)}); "
@@ -161,7 +158,7 @@ def cmd_demo(args) -> int:
     say(f"loading {args.model} ...")
     model = sqjax.load_model(args.model, dtype=args.dtype)
     doc = demo_document()
-    method = sqjax.Squeezed(sparsity=args.sparsity, n_sink=args.n_sink)
+    method = sqjax.Squeezed(sparsity=args.sparsity, n_sink=DEFAULT_SINK if args.n_sink is None else args.n_sink)
     say(f"indexing the pydoc page of `{DEMO_MODULE}` with {method.label} ...")
     ctx = FixedContext.build(model, doc, method, truncate=True, progress=_show_progress(args))
     full = ctx.with_method(sqjax.Full())
@@ -424,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="the model's compute dtype")
     d.add_argument("--sparsity", type=float, default=0.9)
-    d.add_argument("--n-sink", type=int, default=1, help="attention-sink tokens kept exactly (0 = paper exact)")
+    d.add_argument("--n-sink", type=int, default=None,
+                   help="attention-sink tokens kept exactly (default: the first token; 0 = the paper exactly)")
     d.add_argument("--questions", type=int, default=3)
     d.add_argument("--max-new-tokens", type=int, default=32)
     d.set_defaults(fn=cmd_demo)

@@ -30,7 +30,7 @@ import numpy as np
 from sqjax import dispatch, index_io
 from sqjax._checks import check_seed
 from sqjax.budget import account
-from sqjax.methods import ContextData, Full, Method, Saap, Squeezed, method_from_name
+from sqjax.methods import DEFAULT_SINK, ContextData, Full, Method, Saap, Squeezed, method_from_name
 from sqjax.selection import Selection
 
 _SENTINEL = "\u2063SQJAX-QUESTION\u2063"
@@ -345,13 +345,14 @@ class FixedContext:
               progress: bool = False):
         """Prefill `document` once and build `method`'s index (clusters, calibration, pages, ...).
 
+        method: None = `Squeezed(sparsity=0.9, n_sink=DEFAULT_SINK)` (the first token kept exact).
         chat: wrap the document (and later questions) in the model's chat template.
         system: the chat's system message, before the document (None: the template's own default,
             e.g. SmolLM2's "You are a helpful AI assistant named SmolLM, ..."; "": an empty one).
         reserve: tokens kept free in the model's context for questions and answers.
         truncate: keep the start of an over-long document instead of failing.
         """
-        method = method_from_name("squeezed") if method is None else method
+        method = Squeezed(n_sink=DEFAULT_SINK) if method is None else method
         _check_method(method)
         _check_text("the document", document)
         if not (isinstance(reserve, numbers.Integral) and 0 <= reserve < model.config.max_position_embeddings):

@@ -95,6 +95,12 @@ def test_questions_reuse_one_prefill(model, monkeypatch):
     assert len(calls) == 1 and ctx.n_prefills == 1 and other.n_prefills == 0
 
 
+def test_build_without_a_method_keeps_the_first_token_exact(model):
+    """The default method is Squeezed at 90% with the sink kept (n_sink=0 is the paper exactly)."""
+    ctx = FixedContext.build(model, DOC)
+    assert ctx.method == Squeezed(sparsity=0.9, n_sink=1) and ctx.method.label == "squeezed+sink1@0.9"
+
+
 @pytest.mark.parametrize("method", [Squeezed(sparsity=0.8), Saap(probes=4, dense_layers=0)], ids=lambda m: m.name)
 def test_context_holds_the_document_kv_once(model, method, tmp_path, monkeypatch):
     """After build, load and with_method the document's K/V live once, one array per layer: no
