@@ -189,6 +189,9 @@ def _check_index_paths(doc_path: Path, out: Path) -> None:
     from sqjax.fixed_context import SqjaxError
     from sqjax.index_io import check_index_target
 
+    if str(doc_path) == "-":   # stdin
+        check_index_target(out)
+        return
     if doc_path.is_dir():
         raise SqjaxError(f"document {str(doc_path)!r} is a directory; give a text file")
     if not doc_path.is_file():
@@ -206,13 +209,14 @@ def cmd_index(args) -> int:
     doc_path, out = Path(args.document), Path(args.output)
     check_index_options(args)
     _check_index_paths(doc_path, out)
+    name = "stdin" if str(doc_path) == "-" else str(doc_path)
     try:
-        text = doc_path.read_text(encoding="utf-8")
+        text = sys.stdin.buffer.read().decode("utf-8") if name == "stdin" else doc_path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise SqjaxError(f"{doc_path} is not UTF-8 text; convert it (e.g. `iconv -t UTF-8`) or give a plain-text "
+        raise SqjaxError(f"{name} is not UTF-8 text; convert it (e.g. `iconv -t UTF-8`) or give a plain-text "
                          "file") from None
     if not text.strip():
-        raise SqjaxError(f"document is empty: {doc_path} holds no text")
+        raise SqjaxError(f"document is empty: {name} holds no text")
     method = make_method(args)
     model = sqjax.load_model(args.model, dtype=args.dtype)
     t0 = time.perf_counter()
@@ -429,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("index", help="prefill a document once and build an index (.sqx)")
     common(i)
-    i.add_argument("document")
+    i.add_argument("document", help="a UTF-8 text file; '-' reads it from stdin")
     i.add_argument("-o", "--output", required=True)
     i.add_argument("--model", default="smollm2-135m")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",

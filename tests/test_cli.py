@@ -96,6 +96,31 @@ def test_sqjax_warnings_print_as_one_line(capsys, model_dir, doc_file, tmp_path)
     assert "DeprecationWarning: old" in other
 
 
+def test_index_reads_the_document_from_stdin(capsys, monkeypatch, model_dir, doc_file, tmp_path):
+    """`sqjax index - -o X` indexes stdin: the same tokens as the file; empty or non-UTF-8 input is named."""
+    import io
+
+    def stdin(data: bytes):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+    stdin(doc_file.read_bytes())
+    code, out, err = _run(capsys, "index", "-", "-o", str(tmp_path / "in.sqx"), "--model", model_dir, "--method",
+                          "full", "--json")
+    assert code == 0, err
+    code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "file.sqx"), "--model", model_dir,
+                          "--method", "full", "--json")
+    assert code == 0, err
+    model = sqjax.load_model(model_dir)
+    a, b = (FixedContext.load(tmp_path / f, model) for f in ("in.sqx", "file.sqx"))
+    assert a.doc_ids.tolist() == b.doc_ids.tolist() and a.doc_sha256 == b.doc_sha256
+    for data, message in [(b" \n", "document is empty: stdin holds no text"),
+                          (b"caf\xe9", "stdin is not UTF-8 text")]:
+        stdin(data)
+        code, out, err = _run(capsys, "index", "-", "-o", str(tmp_path / "x.sqx"), "--model", model_dir)
+        assert code != 0 and message in _error_line(err)
+    assert not (tmp_path / "x.sqx").exists()
+
+
 def test_index_with_decode_calibration(capsys, model_dir, doc_file, tmp_path):
     code, out, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "t.sqx"), "--model", model_dir,
                           "--method", "hsqueezed", "--decode-calibration", "token", "--lookup-int8", "--json")
