@@ -74,6 +74,9 @@ class Plan:
     e2e_vocab: int = 128256
     e2e_steps: int = 16
     e2e_batches: tuple = (4, 8)   # `ask_many` batch sizes timed in the end-to-end section
+    # longer questions' time to first token in the end-to-end section (tokens; also what a follow-up
+    # with that many tokens of earlier turns costs: `ask(history=...)` prefills them again)
+    e2e_question_tokens: tuple = (512, 2048)
     e2e_ask_only: bool = False    # end-to-end section: only `ask` / `ask_many` (no decode-loop variants)
     e2e_method: str = "squeezed"  # end-to-end section's sparse method: "squeezed" or "hierarchical" (2-level)
     reps: int = 10
@@ -98,7 +101,7 @@ def cpu_plan() -> Plan:
     return Plan(lengths=(1024,), sparsities=(0.8, 0.9), prefill=(32,), hq=4, hkv=2, d=16, shapes=((4, 2), (4, 4)),
                 other_shape_lengths=(1024,), offline_layers=2,
                 offline_length=1024, e2e_length=1024, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256,
-                e2e_steps=3, e2e_batches=(2,), reps=2, loop_iters=2, unroll_calls=2, prefill_loop_iters=2, deadline_s=600, cpu=True, backend="interpret")
+                e2e_steps=3, e2e_batches=(2,), e2e_question_tokens=(40,), reps=2, loop_iters=2, unroll_calls=2, prefill_loop_iters=2, deadline_s=600, cpu=True, backend="interpret")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,7 +805,30 @@ def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
             "ms_per_step_calls": [1e3 * x for x in step]}
 
 
-def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: int, log, batches=()) -> dict:
+def _ttft_by_question_tokens(ctx, question: str, lengths, log, name: str) -> dict:
+    """`ask`'s time to first token for questions of each length in `lengths` (tokens of the byte
+    tokenizer, the question repeated to fill them): median of `_ASK_TIMED_CALLS` calls after the
+    first, which compiles. A follow-up with that many tokens of earlier turns costs the same."""
+    out = {}
+    for n in lengths:
+        text = (question * (n // max(1, len(question)) + 1))[: max(1, n - 2)]   # + the template's "\n\n"
+        try:
+            ttft, n_tok = [], 0
+            for _ in range(1 + _ASK_TIMED_CALLS):
+                st = ctx.ask(text, max_new_tokens=2).stats
+                ttft.append(st.time_to_first_token_s)
+                n_tok = st.n_prompt_tokens
+            out[str(n)] = {"n_prompt_tokens": n_tok, "ttft_s": float(np.median(ttft[1:])), "ttft_s_calls": ttft[1:],
+                           "first_call_s": ttft[0]}
+            log(f"[e2e] ask, {name}, {n_tok}-token question: TTFT {1e3 * out[str(n)]['ttft_s']:.1f} ms")
+        except Exception as e:  # noqa: BLE001
+            out[str(n)] = {"error": _err(e)}
+            log(f"[e2e] ask, {name}, {n}-token question: ERROR {_err(e)}")
+    return out
+
+
+def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: int, log, batches=(),
+              question_tokens=()) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
     carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
     context, for each (name, method, index): time to first token, time per output token (each
@@ -810,7 +836,8 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
     first (which compiles; every call's values are kept), and the KV budget. Then `ask_many` for
     each batch size in `batches` (`_ask_many_row`): several questions over the one fixed context,
     full attention's rows folded into one pass over it (`sqjax.dispatch.dense_attention_batched`),
-    Squeezed's through `clustered_decode_batched` (one level)."""
+    Squeezed's through `clustered_decode_batched` (one level). Then the time to first token of
+    longer questions (`question_tokens`, `_ttft_by_question_tokens`)."""
     from sqjax.fixed_context import FixedContext
 
     question = ("Which of the measurements in the document above was taken on the largest input, and by how "
@@ -859,6 +886,9 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
                 except Exception as e:  # noqa: BLE001
                     rows[name].setdefault("batches", {})[str(n_rows)] = {"error": _err(e)}
                     log(f"[e2e] ask_many, {name}, {n_rows} questions: ERROR {_err(e)}")
+            if question_tokens:
+                rows[name]["ttft_by_question_tokens"] = _ttft_by_question_tokens(ctx, question, question_tokens, log,
+                                                                                 name)
             del ctx
         except Exception as e:  # noqa: BLE001
             rows[name] = {"error": _err(e)}
@@ -1172,7 +1202,8 @@ def _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, fixed, leng
 
     model = LoadedModel(graphdef, state, cfg, _ByteTokenizer(cfg.vocab_size), source="random", dtype=BF16)
     out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), None)), fixed,
-                           length, n_prompt, n_steps, log, batches=plan.e2e_batches)
+                           length, n_prompt, n_steps, log, batches=plan.e2e_batches,
+                           question_tokens=plan.e2e_question_tokens)
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     kv = sum(x.size * x.dtype.itemsize for x in fixed.k + fixed.v)
     out["bytes_weights"] = float(weights)
@@ -1465,6 +1496,19 @@ def to_markdown(res: dict) -> str:
                     sp = ask.get("batch_speedup", {}).get(n) if name == "squeezed" else None
                     md.append(f"| {name} | {n} | {b['ms_per_step']:.3f} | {b['tokens_per_s']:.1f} | "
                               f"{1e3 * b['ttft_s']:.1f} | {b['ask_many_s']:.2f} | {_f(sp, 2, '×')} |")
+            longer = [(name, n, t) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
+                      for n, t in r.get("ttft_by_question_tokens", {}).items()]
+            if longer:
+                md += ["", "Time to first token by question length (a follow-up with that many tokens of earlier "
+                       "turns costs the same: `ask(history=...)` prefills them again):", "",
+                       "| method | question tokens | TTFT ms | speed-up vs full |", "|---|---|---|---|"]
+                full_t = {n: t.get("ttft_s") for name, n, t in longer if name == "full"}
+                for name, n, t in longer:
+                    if "error" in t:
+                        md.append(f"| {name} | {n} | error: {t['error'][:80]} | |")
+                        continue
+                    sp = full_t[n] / t["ttft_s"] if name != "full" and full_t.get(n) else None
+                    md.append(f"| {name} | {t['n_prompt_tokens']} | {1e3 * t['ttft_s']:.1f} | {_f(sp, 2, '×')} |")
         md.append("")
     if res.get("errors"):
         md += ["## Errors", ""] + [f"- {e}" for e in res["errors"]]
@@ -1591,6 +1635,9 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--e2e-batches", default="", help="comma list of ask_many batch sizes (default 4,8; 0 = none)")
     ap.add_argument("--e2e-method", choices=("squeezed", "hierarchical"), default="squeezed",
                     help="the end-to-end section's sparse method (hierarchical: the 2-level index)")
+    ap.add_argument("--e2e-question-tokens", default="",
+                    help="comma list of longer questions' lengths whose TTFT the end-to-end section times "
+                         "(default 512,2048; 0 = none)")
     ap.add_argument("--e2e-ask-only", action="store_true",
                     help="end-to-end section: only ask / ask_many (skip the decode-loop variants and probes)")
     ap.add_argument("--merge", default="", help="comma list of --out directories of runs on one commit: write their "
@@ -1619,6 +1666,9 @@ def main(argv_or_args=None) -> int:
         plan = dataclasses.replace(plan, level1_prune=args.level1_prune)
     if args.lookup_int8:
         plan = dataclasses.replace(plan, lookup_int8=True)
+    if args.e2e_question_tokens:
+        plan = dataclasses.replace(plan, e2e_question_tokens=tuple(
+            int(x) for x in args.e2e_question_tokens.split(",") if int(x) > 0))
     if args.e2e_batches:
         plan = dataclasses.replace(plan, e2e_batches=tuple(int(x) for x in args.e2e_batches.split(",") if int(x) > 0))
     if args.e2e_ask_only:

@@ -161,6 +161,11 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
         assert len(b["kv_budget_rows"]) == 2
     assert ask["batch_speedup"]["2"] == ask["squeezed"]["batches"]["2"]["tokens_per_s"] / ask["full"]["batches"]["2"]["tokens_per_s"]
     assert "| squeezed | 2 |" in (tmp_path / "speed.md").read_text()
+    for name in ("squeezed", "full"):   # a longer question's time to first token (the CPU plan's 40 tokens)
+        t = ask[name]["ttft_by_question_tokens"]["40"]
+        assert "error" not in t, t
+        assert t["n_prompt_tokens"] == 40 and t["ttft_s"] > 0 and len(t["ttft_s_calls"]) == _ASK_TIMED_CALLS
+    assert "| squeezed | 40 |" in (tmp_path / "speed.md").read_text()
 
 
 def test_stable_step_matches_forward_and_reuses_its_buffers():
