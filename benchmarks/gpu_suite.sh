@@ -3,7 +3,7 @@
 # per command (run them on one warm machine, then join them with `python -m benchmarks.speed
 # --merge`).  Each word's timeout is its upper bound; groups that fit one 600-s command:
 # `checks decode512`, `decode128 decode32`, `prefill512`, `prefill128 prefill32`, `offline`,
-# `int8`, `llama2`, `e2e` (one length per kernel word: with the hierarchical rows at every sparsity, 32K
+# `int8`, `llama2`, `e2e`, `ttft` (one length per kernel word: with the hierarchical rows at every sparsity, 32K
 # and 128K in one word outran its deadline; prefill512 took 394 s on an H100 and 397 s on an H200;
 # offline's four builds outran 320 s on an H100, where three took 317 s; llama2's builds take ~130 s
 # on an H100, and at 330 s its prefill rows were cut).
@@ -22,6 +22,8 @@
 #   llama2      Llama-2-7B shape (32/32): decode and prefill at 512K, 0.9
 #   offline     clustering + calibration of 128K x 32 layers x 8 KV heads (1-level and hierarchical)
 #   e2e         FixedContext.ask / ask_many of a Llama-3-8B-shaped model over a 128K context
+#   ttft        the same model and context: ask's time to first token for 512- and 2048-token questions
+#               (what a follow-up with that many tokens of earlier turns costs; 288 s on an H200)
 #
 # Keys: .scratch/captured/smollm2_qkv.npz (python -m benchmarks.capture_keys, on the CPU);
 # the commit: .scratch/commit (the device copy has no .git).  TAR=1 packs each word's folder
@@ -61,7 +63,8 @@ for w in "$@"; do
     int8)       speed $w 240 --only-kernels --phases prefill --lengths 524288 --sparsities 0.9 --shapes 32x8 --lookup-int8 ;;
     llama2)     speed $w 500 --only-kernels --lengths 524288 --sparsities 0.9 --shapes 32x32 ;;
     offline)    speed $w 460 --skip kernels,e2e ;;
-    e2e)        speed $w 520 --skip offline,kernels --e2e-ask-only --e2e-batches 4,8 ;;
+    e2e)        speed $w 520 --skip offline,kernels --e2e-ask-only --e2e-batches 4,8 --e2e-question-tokens 0 ;;
+    ttft)       speed $w 400 --skip offline,kernels --e2e-ask-only --e2e-batches 0 --e2e-question-tokens 512,2048 ;;
     *) echo "unknown word: $w"; continue ;;
   esac
   [ -n "$TAR" ] && tar czf "$OUT/$w.tgz" -C "$OUT" "$w" && rm -rf "${OUT:?}/$w"
