@@ -3,7 +3,7 @@
 # per command (run them on one warm machine, then join them with `python -m benchmarks.speed
 # --merge`).  Each word's timeout is its upper bound; groups that fit one 600-s command:
 # `checks decode512`, `decode128 decode32`, `prefill512`, `prefill128 prefill32`, `offline`,
-# `int8`, `llama2`, `e2e`, `ttft` (one length per kernel word: with the hierarchical rows at every sparsity, 32K
+# `int8`, `llama2`, `e2e`, `ttft`, `followup` (one length per kernel word: with the hierarchical rows at every sparsity, 32K
 # and 128K in one word outran its deadline; prefill512 took 394 s on an H100 and 397 s on an H200;
 # offline's four builds outran 320 s on an H100, where three took 317 s; llama2's builds take ~130 s
 # on an H100, and at 330 s its prefill rows were cut).
@@ -24,6 +24,8 @@
 #   e2e         FixedContext.ask / ask_many of a Llama-3-8B-shaped model over a 128K context
 #   ttft        the same model and context: ask's time to first token for 512- and 2048-token questions
 #               (what a follow-up with that many tokens of earlier turns costs; 288 s on an H200)
+#   followup    the same model and context: a follow-up's time to first token after a 2048- and an
+#               8192-token first turn, the turns' K/V kept (Conversation) against prefilled again
 #
 # Keys: .scratch/captured/smollm2_qkv.npz (python -m benchmarks.capture_keys, on the CPU);
 # the commit: .scratch/commit (the device copy has no .git).  TAR=1 packs each word's folder
@@ -44,7 +46,7 @@ speed() {  # speed WORD TIMEOUT_S ARGS...: one speed-suite process into $OUT/WOR
   done
   timeout "$t" ${PY:-python} -m benchmarks.speed ${SMOKE:+--cpu-smoke} --budget-s $((t - 40)) --out "$OUT/$w" "${a[@]}" > "$OUT/$w/log.txt" 2>&1
   echo "$w rc $? ($SECONDS s)"
-  grep -hE "^\| 32/(8|32) \| [0-9]+ \| (decode|prefill)|^\[e2e\] ask|offline\]|ERROR|Traceback" \
+  grep -hE "^\| 32/(8|32) \| [0-9]+ \| (decode|prefill)|^\[e2e\] (ask|follow-up)|offline\]|ERROR|Traceback" \
     "$OUT/$w/speed.md" "$OUT/$w/log.txt" 2>/dev/null | cut -c1-260 | head -40
 }
 for w in "$@"; do
@@ -65,6 +67,8 @@ for w in "$@"; do
     offline)    speed $w 460 --skip kernels,e2e ;;
     e2e)        speed $w 520 --skip offline,kernels --e2e-ask-only --e2e-batches 4,8 --e2e-question-tokens 0 ;;
     ttft)       speed $w 400 --skip offline,kernels --e2e-ask-only --e2e-batches 0 --e2e-question-tokens 512,2048 ;;
+    followup)   speed $w 480 --skip offline,kernels --e2e-ask-only --e2e-batches 0 --e2e-question-tokens 0 \
+                  --e2e-follow-up-tokens 2048,8192 ;;
     *) echo "unknown word: $w"; continue ;;
   esac
   [ -n "$TAR" ] && tar czf "$OUT/$w.tgz" -C "$OUT" "$w" && rm -rf "${OUT:?}/$w"

@@ -77,6 +77,9 @@ class Plan:
     # longer questions' time to first token in the end-to-end section (tokens; also what a follow-up
     # with that many tokens of earlier turns costs: `ask(history=...)` prefills them again)
     e2e_question_tokens: tuple = (512, 2048)
+    # a follow-up's time to first token after earlier turns of about these many tokens: a `Conversation`
+    # (the turns' K/V kept) against `ask(history=...)` (prefilled again); none by default
+    e2e_follow_up_tokens: tuple = ()
     e2e_ask_only: bool = False    # end-to-end section: only `ask` / `ask_many` (no decode-loop variants)
     e2e_method: str = "squeezed"  # end-to-end section's sparse method: "squeezed" or "hierarchical" (2-level)
     reps: int = 10
@@ -101,7 +104,7 @@ def cpu_plan() -> Plan:
     return Plan(lengths=(1024,), sparsities=(0.8, 0.9), prefill=(32,), hq=4, hkv=2, d=16, shapes=((4, 2), (4, 4)),
                 other_shape_lengths=(1024,), offline_layers=2,
                 offline_length=1024, e2e_length=1024, e2e_layers=2, e2e_hidden=64, e2e_inter=128, e2e_vocab=256,
-                e2e_steps=3, e2e_batches=(2,), e2e_question_tokens=(40,), reps=2, loop_iters=2, unroll_calls=2, prefill_loop_iters=2, deadline_s=600, cpu=True, backend="interpret")
+                e2e_steps=3, e2e_batches=(2,), e2e_question_tokens=(40,), e2e_follow_up_tokens=(48,), reps=2, loop_iters=2, unroll_calls=2, prefill_loop_iters=2, deadline_s=600, cpu=True, backend="interpret")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,6 +741,16 @@ class _ByteTokenizer:
     def decode(self, ids) -> str:
         return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
 
+    @staticmethod
+    def apply_chat_template(messages, add_generation_prompt: bool = True) -> str:
+        """A plain chat template (marks as text: this tokenizer has no special tokens), so the
+        random model can hold a `Conversation` (`_CHAT_SUFFIX`: the text after the document)."""
+        text = "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+_CHAT_SUFFIX = "\n\n{question}<|end|>\n<|assistant|>\n"   # `_ByteTokenizer`'s template after its first user turn's document
+
 
 def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
     """Where `ask`'s time to first token goes: the question's forward alone (median of 3, synced),
@@ -827,8 +840,47 @@ def _ttft_by_question_tokens(ctx, question: str, lengths, log, name: str) -> dic
     return out
 
 
+def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> dict:
+    """A follow-up's time to first token after a first turn of about n tokens (question and an
+    n_new-token answer), for each n in `lengths`: `Conversation.ask`, which keeps the turns' K/V and
+    prefills only what is new, against `ask(history=...)`, which prefills the whole conversation
+    again. Each timed follow-up is undone, and the next one is numbered differently at its start, so
+    each prefills its whole question; medians of `_ASK_TIMED_CALLS` calls after two (which compile:
+    the first grows the kept cache, the second compacts the grown one). The random model's answers
+    do not encode back to its tokens (`_ByteTokenizer`), so a kept follow-up also prefills the last
+    answer again (n_new tokens) -- a real tokenizer's answers mostly do."""
+    out = {}
+    for n in lengths:
+        first = (question * (n // max(1, len(question)) + 1))[: max(1, n - n_new - 30)]
+        try:
+            conv = ctx.conversation()
+            conv.ask(first, max_new_tokens=n_new)
+            kept, again = [], []
+            for i in range(2 + _ASK_TIMED_CALLS):
+                q = f"({i}) {question}"
+                kept.append(conv.ask(q, max_new_tokens=2).stats)
+                conv.undo()
+                again.append(ctx.ask(q, max_new_tokens=2, history=conv.history).stats)
+            med = lambda sts: float(np.median([s.time_to_first_token_s for s in sts[2:]]))   # noqa: E731
+            r = out[str(n)] = {
+                "n_prompt_tokens": kept[-1].n_prompt_tokens, "n_reused_tokens": kept[-1].n_reused_tokens,
+                "ttft_kept_s": med(kept), "ttft_again_s": med(again),
+                "ttft_kept_s_calls": [s.time_to_first_token_s for s in kept[2:]],
+                "ttft_again_s_calls": [s.time_to_first_token_s for s in again[2:]],
+                "first_calls_kept_s": [s.time_to_first_token_s for s in kept[:2]],
+                "first_calls_again_s": [s.time_to_first_token_s for s in again[:2]]}
+            r["kept_speedup"] = r["ttft_again_s"] / r["ttft_kept_s"]
+            log(f"[e2e] follow-up, {name}, {r['n_prompt_tokens']}-token conversation ({r['n_reused_tokens']} kept): "
+                f"TTFT {1e3 * r['ttft_kept_s']:.1f} ms kept, {1e3 * r['ttft_again_s']:.1f} ms prefilled again")
+            del conv
+        except Exception as e:  # noqa: BLE001
+            out[str(n)] = {"error": _err(e)}
+            log(f"[e2e] follow-up, {name}, {n}-token conversation: ERROR {_err(e)}")
+    return out
+
+
 def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: int, log, batches=(),
-              question_tokens=()) -> dict:
+              question_tokens=(), follow_up_tokens=()) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
     carried buffers, per-token accounting after the loop) -- on the end-to-end model and fixed
     context, for each (name, method, index): time to first token, time per output token (each
@@ -889,6 +941,11 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
             if question_tokens:
                 rows[name]["ttft_by_question_tokens"] = _ttft_by_question_tokens(ctx, question, question_tokens, log,
                                                                                  name)
+            if follow_up_tokens:
+                ctx = None   # the same context with the chat template (one clustered copy at a time)
+                ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None,
+                                   chat=True, suffix_template=_CHAT_SUFFIX, doc_sha256="random")
+                rows[name]["ttft_follow_up"] = _ttft_follow_up(ctx, question, follow_up_tokens, n_new, log, name)
             del ctx
         except Exception as e:  # noqa: BLE001
             rows[name] = {"error": _err(e)}
@@ -968,7 +1025,7 @@ def end_to_end(plan: Plan, src: KeySource, log, offline: dict | None) -> dict:
 
     cfg = LlamaConfig(vocab_size=plan.e2e_vocab, hidden_size=plan.e2e_hidden, intermediate_size=plan.e2e_inter,
                       num_layers=plan.e2e_layers, num_heads=plan.hq, num_kv_heads=plan.hkv, head_dim=plan.d,
-                      rope_theta=500000.0, max_position_embeddings=plan.e2e_length + 4096, name="llama3-8b-shaped")
+                      rope_theta=500000.0, max_position_embeddings=plan.e2e_length + 16384, name="llama3-8b-shaped")
     t0 = time.perf_counter()
     model = Llama(cfg, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -1203,7 +1260,7 @@ def _e2e_ask_section(plan, out, graphdef, state, cfg, method, index, fixed, leng
     model = LoadedModel(graphdef, state, cfg, _ByteTokenizer(cfg.vocab_size), source="random", dtype=BF16)
     out["ask"] = _ask_rows(model, (("squeezed", method, index), ("full", Full(), None)), fixed,
                            length, n_prompt, n_steps, log, batches=plan.e2e_batches,
-                           question_tokens=plan.e2e_question_tokens)
+                           question_tokens=plan.e2e_question_tokens, follow_up_tokens=plan.e2e_follow_up_tokens)
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     kv = sum(x.size * x.dtype.itemsize for x in fixed.k + fixed.v)
     out["bytes_weights"] = float(weights)
@@ -1509,6 +1566,23 @@ def to_markdown(res: dict) -> str:
                         continue
                     sp = full_t[n] / t["ttft_s"] if name != "full" and full_t.get(n) else None
                     md.append(f"| {name} | {t['n_prompt_tokens']} | {1e3 * t['ttft_s']:.1f} | {_f(sp, 2, '×')} |")
+            follow = [(name, n, t) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
+                      for n, t in r.get("ttft_follow_up", {}).items()]
+            if follow:
+                md += ["", "A follow-up's time to first token: `Conversation.ask` keeps the turns' K/V and prefills "
+                       "only what is new (here the new question and the last answer, which the random model's "
+                       "tokens do not encode back to), against `ask(history=...)`, which prefills the whole "
+                       "conversation again:", "",
+                       "| method | conversation tokens | kept | TTFT kept ms | TTFT prefilled again ms | kept vs again | "
+                       "kept vs full kept |", "|---|---|---|---|---|---|---|"]
+                full_k = {n: t.get("ttft_kept_s") for name, n, t in follow if name == "full"}
+                for name, n, t in follow:
+                    if "error" in t:
+                        md.append(f"| {name} | {n} | error: {t['error'][:80]} | | | | |")
+                        continue
+                    sp = full_k[n] / t["ttft_kept_s"] if name != "full" and full_k.get(n) else None
+                    md.append(f"| {name} | {t['n_prompt_tokens']} | {t['n_reused_tokens']} | {1e3 * t['ttft_kept_s']:.1f} | "
+                              f"{1e3 * t['ttft_again_s']:.1f} | {t['kept_speedup']:.2f}× | {_f(sp, 2, '×')} |")
         md.append("")
     if res.get("errors"):
         md += ["## Errors", ""] + [f"- {e}" for e in res["errors"]]
@@ -1638,6 +1712,9 @@ def main(argv_or_args=None) -> int:
     ap.add_argument("--e2e-question-tokens", default="",
                     help="comma list of longer questions' lengths whose TTFT the end-to-end section times "
                          "(default 512,2048; 0 = none)")
+    ap.add_argument("--e2e-follow-up-tokens", default="",
+                    help="comma list of conversation lengths after which the end-to-end section times a follow-up's "
+                         "TTFT, the turns' K/V kept (Conversation) against prefilled again (default none)")
     ap.add_argument("--e2e-ask-only", action="store_true",
                     help="end-to-end section: only ask / ask_many (skip the decode-loop variants and probes)")
     ap.add_argument("--merge", default="", help="comma list of --out directories of runs on one commit: write their "
@@ -1669,6 +1746,9 @@ def main(argv_or_args=None) -> int:
     if args.e2e_question_tokens:
         plan = dataclasses.replace(plan, e2e_question_tokens=tuple(
             int(x) for x in args.e2e_question_tokens.split(",") if int(x) > 0))
+    if args.e2e_follow_up_tokens:
+        plan = dataclasses.replace(plan, e2e_follow_up_tokens=tuple(
+            int(x) for x in args.e2e_follow_up_tokens.split(",") if int(x) > 0))
     if args.e2e_batches:
         plan = dataclasses.replace(plan, e2e_batches=tuple(int(x) for x in args.e2e_batches.split(",") if int(x) > 0))
     if args.e2e_ask_only:

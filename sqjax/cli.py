@@ -322,8 +322,10 @@ def _per_token(stats, unit: str = "ms") -> str:
 
 def _stats_line(ans, n_answers: int = 1) -> str:
     s = ans.stats
-    return (f"[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s, {_per_token(s, 'ms/token')}"
-            + (f" for {n_answers} answers" if n_answers > 1 else "") + f"{', OVERFLOW' if s.overflow else ''}]")
+    reused = f" ({s.n_reused_tokens} of {s.n_prompt_tokens} prompt tokens kept)" if s.n_reused_tokens else ""
+    return (f"[{s.method}: KV budget {s.kv_budget:.3f}, TTFT {s.time_to_first_token_s:.2f}s{reused}, "
+            f"{_per_token(s, 'ms/token')}" + (f" for {n_answers} answers" if n_answers > 1 else "")
+            + f"{', OVERFLOW' if s.overflow else ''}]")
 
 
 def cmd_ask(args) -> int:
@@ -351,8 +353,10 @@ def cmd_ask(args) -> int:
 
 def cmd_chat(args) -> int:
     """A conversation about an indexed document: one question per line of stdin, each asked after
-    the earlier questions and answers; "/reset" starts a new conversation. A question that fails
-    (too long for what is left of the context, ...) prints its error and the conversation goes on."""
+    the earlier questions and answers; "/undo" forgets the last turn, "/reset" starts a new
+    conversation. A follow-up prefills only its new tokens (`Conversation`'s kept K/V). A question
+    that fails (too long for what is left of the context, ...) prints its error and the conversation
+    goes on."""
     from sqjax.fixed_context import SqjaxError
 
     _check_generation_options(args)
@@ -372,6 +376,16 @@ def cmd_chat(args) -> int:
             conv.reset()
             if not args.json:
                 print("[new conversation]")
+            continue
+        if question == "/undo":
+            try:
+                undone, _ = conv.undo()
+            except SqjaxError as e:
+                failed += 1
+                print(f"sqjax: error: {e}", file=sys.stderr, flush=True)
+                continue
+            if not args.json:
+                print(f"[undone: {undone}]")
             continue
         stream = None if args.json else (lambda s: print(s, end="", flush=True))
         try:
@@ -474,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(fn=cmd_ask)
 
     c = sub.add_parser("chat", help="a conversation about an indexed document: one question per line of stdin, "
-                                    "each asked after the earlier questions and answers")
+                                    "each asked after the earlier questions and answers (/undo forgets the last "
+                                    "turn, /reset starts over)")
     common(c)
     c.add_argument("index")
     c.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")

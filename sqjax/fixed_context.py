@@ -267,7 +267,7 @@ def attention_state(k, v, index, *, clustered_layout: bool = False) -> dict:
 @dataclasses.dataclass
 class AnswerStats:
     method: str
-    n_prompt_tokens: int
+    n_prompt_tokens: int       # the tokens after the document: the question (with a conversation's earlier turns)
     n_new_tokens: int
     kv_budget: float           # mean over decode steps (prefill if no decode step)
     kv_budget_prefill: float   # the question's prefill lookup
@@ -278,6 +278,7 @@ class AnswerStats:
                                # the cluster-contiguous routes read every selected row, and count them so)
     time_to_first_token_s: float
     time_per_output_token_s: float
+    n_reused_tokens: int = 0   # of n_prompt_tokens, those whose K/V a `Conversation` kept from its earlier turns
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -548,12 +549,13 @@ class FixedContext:
         text = "".join(t + p for t, p in zip(template, pieces)) + rest
         return np.asarray(tok.encode(text, add_bos=False), np.int32)
 
-    def conversation(self) -> "Conversation":
-        """A conversation about the document: each question sees the earlier questions and answers."""
+    def conversation(self, reuse_cache: bool = True) -> "Conversation":
+        """A conversation about the document: each question sees the earlier questions and answers;
+        with reuse_cache a follow-up prefills only its new tokens (see `Conversation`)."""
         if not self.chat:
             raise SqjaxError("a conversation needs the chat template: this context was built with chat=False "
                              "(--raw); build it with the template, or ask questions one by one")
-        return Conversation(self)
+        return Conversation(self, reuse_cache)
 
     def check_questions(self, questions, max_new_tokens: int = 64, temperature: float = 0.0,
                         top_p: float = 1.0, histories=None) -> list[np.ndarray]:
@@ -595,7 +597,7 @@ class FixedContext:
 
         history: earlier (question, answer) turns of a conversation about the document, oldest
         first; they are prefilled again after the document with this question (`conversation()`
-        keeps them for you)."""
+        keeps them, and their K/V, so that a follow-up prefills only its new tokens)."""
         stream = None if on_token is None else (lambda _i, text: on_token(text))
         return self.ask_many([question], max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                              on_token=stream, stop_ids=stop_ids, histories=None if history is None else [history])[0]
@@ -615,6 +617,14 @@ class FixedContext:
         one key per step serves all rows, so a row's draws depend on the batch it is in.
         histories: None, or one history per question (see `ask`): a batch of conversations.
         """
+        return self._answer(questions, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                            on_token=on_token, stop_ids=stop_ids, histories=histories)[0]
+
+    def _answer(self, questions, max_new_tokens: int, *, temperature: float, top_p: float, seed: int,
+                on_token, stop_ids, histories, turn: "_TurnCache | None" = None):
+        """`ask_many`; with `turn` (one question: a `Conversation`'s follow-up) the prompt's longest
+        prefix whose K/V `turn` holds is not prefilled again. -> (answers, the `_TurnCache` of the
+        first row's prompt and answer)."""
         questions = questions if isinstance(questions, str) else list(questions)   # any iterable of str
         q_ids = self.check_questions(questions, max_new_tokens, temperature, top_p, histories)
         try:
@@ -623,13 +633,20 @@ class FixedContext:
             raise SqjaxError(str(e)) from None
         tok_dec = self.model.tokenizer
         stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
-        padded = _left_pad(q_ids)                                  # [B, T], -1 = padding
+        n_reused = turn.reusable(q_ids[0]) if turn is not None and len(q_ids) == 1 else 0
+        padded = _left_pad([ids[n_reused:] for ids in q_ids])     # [B, T], -1 = padding
         n_rows, padded_len = padded.shape
         key = jax.random.key(seed)
 
         t0 = time.perf_counter()
-        logits, cache, caps = self._run_new_cache(padded, self.n_tokens, padded_len + max_new_tokens, capture=None,
-                                                  logits="last")
+        if n_reused:
+            # a follow-up: the earlier turns' K/V, compacted into a cache with room for the rest
+            cache = turn.kept(n_reused, n_reused + padded_len + max_new_tokens,
+                              self.model.config.max_position_embeddings - self.n_tokens + _BUCKET)
+            logits, cache, caps = self._run(padded, self.n_tokens + n_reused, cache, capture=None, logits="last")
+        else:
+            logits, cache, caps = self._run_new_cache(padded, self.n_tokens, padded_len + max_new_tokens,
+                                                      capture=None, logits="last")
         first = _first_token(logits, key, jnp.float32(temperature), jnp.float32(top_p),
                              greedy=temperature == 0.0, use_top_p=top_p < 1.0)    # int32 [B]
         nxt = np.asarray(first)
@@ -657,6 +674,7 @@ class FixedContext:
         qbuf = (jnp.zeros((n_kinds, cfg.num_layers, n_pad, n_rows, cfg.num_heads, 1, cfg.head_dim),
                           caps[0]["q"].dtype) if n_pad else None)
         nxt_dev, t_prev = None, time.perf_counter()
+        n_fed = 0                                                  # steps dispatched: tokens whose K/V are cached
         for step in range(max_new_tokens):
             # pipelined: the step that feeds token `step` is dispatched (from the tokens still on
             # the device) before the host reads them, so streaming and bookkeeping overlap the
@@ -668,6 +686,7 @@ class FixedContext:
                     self.model.graphdef, self.model.state, tok_d, pos_d, step_d, cache, qbuf, self._state, key,
                     temp_d, top_p_d, attn_fn=self._hook, greedy=temperature == 0.0, use_top_p=top_p < 1.0)
                 nxt_ahead.copy_to_host_async()
+                n_fed += 1
             if nxt_dev is not None:
                 # a host copy, not `nxt_dev[0]`: indexing is a device op queued behind the step
                 # dispatched ahead, so reading token n waited for step n + 1 (GPU)
@@ -691,8 +710,13 @@ class FixedContext:
             n_steps = len(out[b]) - 1
             step_sel = (self._lookup_stats(qbuf[0][:, :, b], qbuf[-1][:, :, b], n_steps) if n_steps else None)
             stats = self._stats(prefill_sel[b], step_sel, len(q_ids[b]), len(out[b]), ttft, step_times)
+            stats.n_reused_tokens = n_reused
             answers.append(Answer(tok_dec.decode(out[b]), out[b], stats))
-        return answers
+        if n_rows > 1:
+            return answers, None
+        # the cache holds the prompt and the answer's tokens fed back (all, or all but the last)
+        return answers, _TurnCache(cache, np.concatenate([q_ids[0], np.asarray(out[0][:n_fed], np.int32)]),
+                                   self.n_tokens)
 
     def _stats(self, prefill_sel, step_sel, n_prompt, n_new, ttft, step_times) -> AnswerStats:
         cfg = self.model.config
@@ -801,22 +825,91 @@ class FixedContext:
 
 class Conversation:
     """Follow-up questions about one `FixedContext`: each question is asked after the earlier
-    questions and answers (`FixedContext.ask(..., history=...)`); the document's prefill and index
-    are shared, the earlier turns are prefilled again with each question."""
+    questions and answers, with the prompt `FixedContext.ask(..., history=...)` gives it; the
+    document's prefill and index are shared.
 
-    def __init__(self, context: FixedContext):
+    reuse_cache (default): the conversation keeps the K/V of its last prompt and answer, so a
+    follow-up prefills only what is new -- the tokens from the first one that differs from them
+    (usually the end of the last answer's turn and the new question). The earlier turns' K/V are
+    then the ones computed when they were asked and answered; with a sparse method a follow-up's
+    answer can differ slightly from `ask(..., history=...)`'s, which prefills the whole conversation
+    in one block (selections of the fixed context are made per block). With reuse_cache=False each
+    question prefills the whole conversation again (and answers exactly as `ask(history=...)`)."""
+
+    def __init__(self, context: FixedContext, reuse_cache: bool = True):
         self.context = context
+        self.reuse_cache = reuse_cache
         self.history: list[tuple[str, str]] = []   # (question, answer) turns, oldest first
+        self._turn: _TurnCache | None = None      # the last prompt and answer's K/V (reuse_cache)
 
-    def ask(self, question: str, max_new_tokens: int = 64, **kwargs) -> Answer:
-        """`FixedContext.ask` after this conversation's turns; the turn is kept once answered."""
-        answer = self.context.ask(question, max_new_tokens, history=list(self.history), **kwargs)
-        self.history.append((question, str(answer)))
-        return answer
+    def ask(self, question: str, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None) -> Answer:
+        """`FixedContext.ask` after this conversation's turns; the turn is kept once answered (a
+        question that fails leaves the conversation as it was)."""
+        stream = None if on_token is None else (lambda _i, text: on_token(text))
+        answers, turn = self.context._answer(
+            [question], max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=stream,
+            stop_ids=stop_ids, histories=[list(self.history)], turn=self._turn if self.reuse_cache else None)
+        self.history.append((question, str(answers[0])))
+        self._turn = turn if self.reuse_cache else None
+        return answers[0]
+
+    def undo(self) -> tuple[str, str]:
+        """Forget the last turn and return it (ask again to get another answer). The kept K/V stay:
+        the next question reuses them up to where the conversation now differs."""
+        if not self.history:
+            raise SqjaxError("the conversation has no turn to undo")
+        return self.history.pop()
 
     def reset(self) -> None:
-        """Forget the earlier turns (the next question starts a new conversation)."""
+        """Forget the earlier turns and their K/V (the next question starts a new conversation)."""
         self.history.clear()
+        self._turn = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _TurnCache:
+    """A conversation's K/V after its last answer: `cache` (one row) holds the tokens `ids` [n]
+    after the document (the last prompt, then the answer's tokens fed back), at positions
+    n_doc + 0 .. n - 1, in slot order (question blocks may leave padding slots between them)."""
+
+    cache: Any          # models.kv_cache.KVCache, batch 1
+    ids: np.ndarray     # int32 [n]
+    n_doc: int          # the document's tokens (the first position after it)
+
+    def reusable(self, q_ids: np.ndarray) -> int:
+        """How many leading tokens of a new prompt q_ids [m] have their K/V here: the common
+        prefix, less one when it is all of q_ids (the last token's logits are needed)."""
+        n = min(len(self.ids), len(q_ids) - 1)
+        differ = np.flatnonzero(self.ids[:n] != q_ids[:n])
+        return int(differ[0]) if differ.size else n
+
+    def kept(self, n: int, needed: int, room: int):
+        """A new cache whose first n slots hold the K/V of ids[:n] (no padding between), with
+        capacity for `needed` slots: this one's, or grown to at least twice it (fewer compilations
+        of the steps) when that fits `room` (the most a conversation can use)."""
+        pos = np.asarray(self.cache.pos[0])
+        src = np.flatnonzero((pos >= self.n_doc) & (pos < self.n_doc + n))        # slots in order
+        if not np.array_equal(pos[src], self.n_doc + np.arange(n)):
+            raise AssertionError(f"a conversation's cache lost track of its tokens: positions {pos[src][:8]}...")
+        capacity = self.cache.capacity
+        if capacity < needed:
+            capacity = _capacity(max(needed, min(2 * capacity, room)))
+        slots = np.zeros(capacity, np.int32)
+        slots[:n] = src
+        return _compact_cache(self.cache, jnp.asarray(slots), jnp.int32(n))
+
+
+@jax.jit
+def _compact_cache(cache, slots, n):
+    """cache (one row) -> a cache of len(slots) slots whose slot i < n is cache's slot slots[i];
+    the rest are empty (position -1), and the next write goes to slot n. A new cache: `cache` stays
+    valid (the steps donate theirs)."""
+    keep = jnp.arange(slots.shape[0]) < n                                         # [S']
+    take = lambda x: jnp.take(x, slots, axis=2)                                   # [1, Hkv, S', d]  # noqa: E731
+    pos = jnp.where(keep, jnp.take(cache.pos[0], slots), -1)[None]
+    return cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), pos=pos.astype(jnp.int32),
+                         length=jnp.reshape(n, (1,)).astype(jnp.int32))
 
 
 def _inv_freq(config) -> np.ndarray:

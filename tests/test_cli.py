@@ -222,32 +222,39 @@ def test_ask_many_questions_in_one_process(capsys, monkeypatch, model_dir, doc_f
 
 
 def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_file, tmp_path):
-    """`sqjax chat`: each stdin line a question asked after the earlier turns (the API's answer with
-    that history), "/reset" starts over, a failing question prints its error and the rest go on."""
+    """`sqjax chat`: each stdin line a question asked after the earlier turns (the API's
+    `Conversation`, which keeps the turns' K/V), "/undo" forgets the last turn, "/reset" starts over,
+    a failing question (or an undo with nothing to undo) prints its error and the rest go on."""
     import io
 
     idx = tmp_path / "chat.sqx"
     assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--sparsity", "0.8", "--json"]) == 0
     capsys.readouterr()
-    qs = ["Which valve was serviced in room 3?", "And in room 4?", "Which colour?"]
+    qs = ["Which valve was serviced in room 3?", "And in room 4?", "Which colour?", "And room 5?"]
     too_long = "Tell me more. " * 600
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[0]}\n\n{qs[1]}\n{too_long}\n/reset\n{qs[2]}\n"))
+    lines = [qs[0], "", qs[1], too_long, "/undo", qs[3], "/reset", "/undo", qs[2]]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
     code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "4", "--json")
-    assert code == 2 and err.count("sqjax: error: ") == 1 and "exceed the model's context" in err
-    assert "start a new conversation (/reset)" in err
+    assert code == 2 and err.count("sqjax: error: ") == 2 and "exceed the model's context" in err
+    assert "start a new conversation (/reset)" in err and "no turn to undo" in err
     rows = [json.loads(line) for line in out.strip().splitlines()]
-    assert [(r["question"], r["turn"]) for r in rows] == [(qs[0], 1), (qs[1], 2), (qs[2], 1)]
+    assert [(r["question"], r["turn"]) for r in rows] == [(qs[0], 1), (qs[1], 2), (qs[3], 2), (qs[2], 1)]
     ctx = FixedContext.load(idx, sqjax.load_model(model_dir))
-    first = ctx.ask(qs[0], max_new_tokens=4)
-    assert rows[0]["token_ids"] == first.token_ids
-    assert rows[1]["token_ids"] == ctx.ask(qs[1], max_new_tokens=4, history=[(qs[0], first)]).token_ids
-    assert rows[2]["token_ids"] == ctx.ask(qs[2], max_new_tokens=4).token_ids
+    conv = ctx.conversation()
+    assert rows[0]["token_ids"] == conv.ask(qs[0], max_new_tokens=4).token_ids
+    assert rows[1]["token_ids"] == conv.ask(qs[1], max_new_tokens=4).token_ids
+    conv.undo()
+    assert rows[2]["token_ids"] == conv.ask(qs[3], max_new_tokens=4).token_ids
+    assert rows[0]["stats"]["n_reused_tokens"] == 0 < rows[1]["stats"]["n_reused_tokens"]
+    assert rows[2]["stats"]["n_reused_tokens"] >= rows[0]["stats"]["n_prompt_tokens"]
+    assert rows[3]["token_ids"] == ctx.ask(qs[2], max_new_tokens=4).token_ids
     # text output: streamed answers with a stats line each; sampling options reach the answers
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[0]}\n/reset\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{qs[0]}\n{qs[1]}\n/undo\n/reset\n"))
     code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "3",
                           "--temperature", "0.9", "--top-p", "0.8", "--seed", "7")
     assert code == 0, err
-    assert out.count("KV budget") == 1 and "[new conversation]" in out
+    assert out.count("KV budget") == 2 and "[new conversation]" in out and f"[undone: {qs[1]}]" in out
+    assert out.count("prompt tokens kept") == 1
     sampled = ctx.ask(qs[0], max_new_tokens=3, temperature=0.9, top_p=0.8, seed=7)
     assert out.startswith(str(sampled))
     # an index built without the chat template cannot hold a conversation

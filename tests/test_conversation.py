@@ -1,6 +1,7 @@
 """Follow-up questions: `ask(..., history=...)`, `ask_many(..., histories=...)` and `Conversation`
 on the tiny model with the real SmolLM2 tokenizer and chat template."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _tiny_model import tiny_model
@@ -66,27 +67,118 @@ def test_full_attention_follow_up_equals_the_plain_model(model, full_ctx):
 
 def test_conversation_keeps_the_turns(sq_ctx, monkeypatch):
     """`Conversation.ask` passes the earlier turns (questions and answers, oldest first), records each
-    answered turn, and `reset` starts over; its answers are `ask`'s with that history."""
+    answered turn; `undo` drops the last one and `reset` starts over; a failed question changes nothing."""
     conv = sq_ctx.conversation()
-    assert isinstance(conv, Conversation) and conv.history == []
+    assert isinstance(conv, Conversation) and conv.history == [] and conv.reuse_cache
     a1 = conv.ask("Where are the lamps?", max_new_tokens=4)
     a2 = conv.ask("And the cables?", max_new_tokens=4)
     assert conv.history == [("Where are the lamps?", str(a1)), ("And the cables?", str(a2))]
-    again = sq_ctx.ask("And the cables?", max_new_tokens=4, history=[("Where are the lamps?", a1)])
-    assert again.token_ids == a2.token_ids
     seen = []
-    real_ask = FixedContext.ask
-    monkeypatch.setattr(FixedContext, "ask", lambda self, q, n=64, **kw: seen.append(kw["history"])
-                        or real_ask(self, q, n, **kw))
+    real = FixedContext._answer
+    monkeypatch.setattr(FixedContext, "_answer", lambda self, qs, n, **kw: seen.append(kw) or real(self, qs, n, **kw))
     conv.ask("And the glue?", max_new_tokens=2)
-    assert seen[-1] == conv.history[:2]
+    assert seen[-1]["histories"] == [conv.history[:2]] and seen[-1]["turn"] is not None
+    last = conv.history[-1]
+    assert conv.undo() == last and len(conv.history) == 2
+    conv.ask("And the tape?", max_new_tokens=2)
+    assert seen[-1]["histories"] == [conv.history[:2]] and conv.history[-1][0] == "And the tape?"
     conv.reset()
     conv.ask("Hello?", max_new_tokens=2)
-    assert seen[-1] == [] and len(conv.history) == 1
+    assert seen[-1]["histories"] == [[]] and seen[-1]["turn"] is None and len(conv.history) == 1
     # a failed question leaves the conversation as it was
+    turn = conv._turn
     with pytest.raises(SqjaxError, match="empty"):
         conv.ask("  ")
-    assert len(conv.history) == 1
+    assert len(conv.history) == 1 and conv._turn is turn
+    assert conv.undo()[0] == "Hello?" and conv.history == []
+    with pytest.raises(SqjaxError, match="no turn to undo"):
+        conv.undo()
+
+
+def _lcp(a, b) -> int:
+    n = min(len(a), len(b))
+    d = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(d[0]) if d.size else n
+
+
+def test_follow_ups_prefill_only_their_new_tokens(model, full_ctx):
+    """With reuse_cache a follow-up prefills only the tokens after what the conversation's cache holds
+    (the last prompt and the answer's tokens): with full attention each answer is still the plain
+    model's greedy answer on the whole conversation, a longer answer than the cache had room for grows
+    it, and after `undo` the next question reuses everything before the undone turn."""
+    conv = full_ctx.conversation()
+    questions = ["Where are the lamps?", "And the cables?", "Which aisle holds the rope? Say it twice."]
+    prompts = []
+    for i, (q, n_new) in enumerate(zip(questions, [5, 4, 40], strict=True)):
+        before = None if conv._turn is None else conv._turn.ids.copy()
+        ans = conv.ask(q, max_new_tokens=n_new, stop_ids=())
+        ids = full_ctx._question_ids(q, tuple(conv.history[:-1]))
+        gen = model.generate(np.concatenate([full_ctx.doc_ids, ids]), n_new, stop_ids=())
+        assert ans.token_ids == gen.token_ids[0], i
+        st = ans.stats
+        assert st.n_prompt_tokens == len(ids)
+        if before is None:
+            assert st.n_reused_tokens == 0
+        else:
+            # everything before the first token that differs: the whole earlier prompt at least (the
+            # tiny model's random answers do not always encode back to the tokens it generated)
+            assert st.n_reused_tokens == _lcp(before, ids) >= len(prompts[-1])
+        prompts.append(ids)
+        # the cache holds this prompt and the answer's tokens but the last, at their positions
+        assert conv._turn.ids.tolist() == ids.tolist() + ans.token_ids[:-1]
+        pos = np.asarray(conv._turn.cache.pos[0])
+        assert sorted(pos[pos >= 0].tolist()) == list(range(full_ctx.n_tokens, full_ctx.n_tokens + len(conv._turn.ids)))
+    assert conv._turn.cache.capacity >= len(conv._turn.ids)
+    undone = conv.undo()
+    kept = conv._turn.ids.copy()
+    again = conv.ask("What is in aisle 5?", max_new_tokens=3, stop_ids=())
+    ids = full_ctx._question_ids("What is in aisle 5?", tuple(conv.history[:-1]))
+    assert undone[0] == questions[-1]
+    assert again.stats.n_reused_tokens == _lcp(kept, ids) >= len(prompts[1])   # turn 2's prompt at least
+    assert again.token_ids == model.generate(np.concatenate([full_ctx.doc_ids, ids]), 3, stop_ids=()).token_ids[0]
+    # without reuse every follow-up prefills the whole conversation
+    plain = full_ctx.conversation(reuse_cache=False)
+    plain.ask(questions[0], max_new_tokens=3)
+    assert plain.ask(questions[1], max_new_tokens=3).stats.n_reused_tokens == 0 and plain._turn is None
+
+
+def test_sparse_follow_ups_reuse_the_cache(sq_ctx):
+    """With Squeezed a follow-up reuses the earlier turns' K/V as made when they were asked, so its
+    answer can differ from a whole-conversation prefill's (selections are per block; the tiny
+    model's random weights turn small differences into other tokens): the first turn, with nothing to
+    reuse, is `ask`'s; later turns prefill only their new tokens and keep the same history."""
+    conv, plain = sq_ctx.conversation(), sq_ctx.conversation(reuse_cache=False)
+    for i, q in enumerate(["Where are the lamps?", "And the cables?", "And the rope?"]):
+        a, b = conv.ask(q, max_new_tokens=4), plain.ask(q, max_new_tokens=4)
+        assert b.stats.n_reused_tokens == 0 and a.stats.n_prompt_tokens == b.stats.n_prompt_tokens
+        if i == 0:
+            assert a.token_ids == b.token_ids and a.stats.n_reused_tokens == 0
+        else:
+            assert a.stats.n_prompt_tokens - 20 < a.stats.n_reused_tokens < a.stats.n_prompt_tokens
+        plain.history[-1] = conv.history[-1]   # the same conversation for both
+        assert a.stats.kv_budget_prefill < 1.0 and a.stats.kv_budget < 1.0
+    assert conv._turn.ids.tolist()[:a.stats.n_reused_tokens] == sq_ctx._question_ids(
+        "And the rope?", tuple(conv.history[:-1])).tolist()[:a.stats.n_reused_tokens]
+
+
+def test_compact_cache_keeps_the_chosen_slots():
+    """`_compact_cache`: slot i < n of the new cache is the old slot slots[i]; the rest are empty."""
+    from models.kv_cache import KVCache
+    from sqjax.fixed_context import _compact_cache
+
+    rng = np.random.default_rng(0)
+    k = tuple(jnp.asarray(rng.normal(size=(1, 2, 10, 4)), jnp.float32) for _ in range(2))
+    v = tuple(x + 1 for x in k)
+    pos = jnp.asarray([[-1, -1, 7, 8, 9, -1, 10, 11, 12, 13]], jnp.int32)
+    cache = KVCache(k=k, v=v, pos=pos, length=jnp.asarray([10], jnp.int32))
+    slots = np.zeros(16, np.int32)
+    slots[:4] = [2, 3, 4, 6]
+    out = _compact_cache(cache, jnp.asarray(slots), jnp.int32(4))
+    assert out.capacity == 16 and int(out.length[0]) == 4
+    assert np.asarray(out.pos[0]).tolist() == [7, 8, 9, 10] + [-1] * 12
+    for new, old in zip(out.k + out.v, k + v, strict=True):
+        np.testing.assert_array_equal(np.asarray(new[:, :, :4]), np.asarray(old[:, :, [2, 3, 4, 6]]))
+    assert np.asarray(cache.pos).tolist() == np.asarray(pos).tolist()   # the old cache stays valid
 
 
 def test_a_batch_of_conversations_equals_each_alone(sq_ctx):

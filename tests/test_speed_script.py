@@ -166,6 +166,13 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
         assert "error" not in t, t
         assert t["n_prompt_tokens"] == 40 and t["ttft_s"] > 0 and len(t["ttft_s_calls"]) == _ASK_TIMED_CALLS
     assert "| squeezed | 40 |" in (tmp_path / "speed.md").read_text()
+    for name in ("squeezed", "full"):   # a follow-up after a ~48-token first turn: turns' K/V kept or prefilled again
+        t = ask[name]["ttft_follow_up"]["48"]
+        assert "error" not in t, t
+        assert 0 < t["n_reused_tokens"] < t["n_prompt_tokens"] and len(t["ttft_kept_s_calls"]) == _ASK_TIMED_CALLS
+        assert t["ttft_kept_s"] == pytest.approx(float(np.median(t["ttft_kept_s_calls"])))
+        assert t["kept_speedup"] == pytest.approx(t["ttft_again_s"] / t["ttft_kept_s"])
+    assert f"| squeezed | {ask['squeezed']['ttft_follow_up']['48']['n_prompt_tokens']} |" in (tmp_path / "speed.md").read_text()
 
 
 def test_stable_step_matches_forward_and_reuses_its_buffers():
