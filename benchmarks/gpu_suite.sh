@@ -67,7 +67,7 @@ for w in "$@"; do
     offline)    speed $w 460 --skip kernels,e2e ;;
     e2e)        speed $w 520 --skip offline,kernels --e2e-ask-only --e2e-batches 4,8 --e2e-question-tokens 0 ;;
     ttft)       speed $w 400 --skip offline,kernels --e2e-ask-only --e2e-batches 0 --e2e-question-tokens 512,2048 ;;
-    followup)   speed $w 480 --skip offline,kernels --e2e-ask-only --e2e-batches 0 --e2e-question-tokens 0 \
+    followup)   speed $w 550 --skip offline,kernels --e2e-ask-only --e2e-batches 0 --e2e-question-tokens 0 \
                   --e2e-follow-up-tokens 2048,8192 ;;
     *) echo "unknown word: $w"; continue ;;
   esac

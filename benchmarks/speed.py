@@ -846,7 +846,8 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
     prefills only what is new, against `ask(history=...)`, which prefills the whole conversation
     again. Each timed follow-up is undone, and the next one is numbered differently at its start, so
     each prefills its whole question; medians of `_ASK_TIMED_CALLS` calls after two (which compile:
-    the first grows the kept cache, the second compacts the grown one). The random model's answers
+    the first also prefills the last answer and grows the kept cache, the second's question block
+    is shorter; later ones run on the kept K/V buffers in place). The random model's answers
     do not encode back to its tokens (`_ByteTokenizer`), so a kept follow-up also prefills the last
     answer again (n_new tokens) -- a real tokenizer's answers mostly do."""
     out = {}

@@ -142,6 +142,35 @@ def test_follow_ups_prefill_only_their_new_tokens(model, full_ctx):
     assert plain.ask(questions[1], max_new_tokens=3).stats.n_reused_tokens == 0 and plain._turn is None
 
 
+def test_follow_ups_keep_the_kv_buffers_in_place(model, full_ctx):
+    """While the cache has room, a follow-up empties the slots after what it reuses and writes after
+    them: the K/V buffers are the conversation's from turn to turn (donated through the prefill and
+    the steps; on a GPU new addresses cost the prefill a graph update). When it has no room, the
+    conversation moves to a compacted cache of twice the capacity. An answer that fails after its
+    prefill began takes the kept K/V with it: the next question prefills every turn again."""
+    conv = full_ctx.conversation()
+    seen = []
+    for i in range(6):
+        conv.ask(f"({i}) And the cables?", max_new_tokens=3, stop_ids=())
+        c = conv._turn.cache
+        seen.append((c.capacity, c.k[0].unsafe_buffer_pointer(), c.v[-1].unsafe_buffer_pointer()))
+    for (cap0, *ptr0), (cap1, *ptr1) in zip(seen, seen[1:]):
+        assert (ptr0 == ptr1) == (cap0 == cap1) and cap1 in (cap0, 2 * cap0)
+    assert len({cap for cap, *_ in seen}) > 1      # the conversation outgrew its first cache
+    last = conv.history[-1]
+
+    def boom(text):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        conv.ask("And the rope?", max_new_tokens=3, on_token=boom)
+    assert conv._turn is None and conv.history[-1] == last
+    ans = conv.ask("And the rope?", max_new_tokens=3, stop_ids=())
+    ids = full_ctx._question_ids("And the rope?", tuple(conv.history[:-1]))
+    assert ans.stats.n_reused_tokens == 0
+    assert ans.token_ids == model.generate(np.concatenate([full_ctx.doc_ids, ids]), 3, stop_ids=()).token_ids[0]
+
+
 def test_sparse_follow_ups_reuse_the_cache(sq_ctx):
     """With Squeezed a follow-up reuses the earlier turns' K/V as made when they were asked, so its
     answer can differ from a whole-conversation prefill's (selections are per block; the tiny
