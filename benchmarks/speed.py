@@ -856,12 +856,15 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
         try:
             conv = ctx.conversation()
             conv.ask(first, max_new_tokens=n_new)
-            kept, again = [], []
+            kept, again, agree = [], [], []
             for i in range(2 + _ASK_TIMED_CALLS):
                 q = f"({i}) {question}"
-                kept.append(conv.ask(q, max_new_tokens=2).stats)
+                a = conv.ask(q, max_new_tokens=2)
                 conv.undo()
-                again.append(ctx.ask(q, max_new_tokens=2, history=conv.history).stats)
+                b = ctx.ask(q, max_new_tokens=2, history=conv.history)
+                kept.append(a.stats)
+                again.append(b.stats)
+                agree.append(a.token_ids == b.token_ids)
             med = lambda sts: float(np.median([s.time_to_first_token_s for s in sts[2:]]))   # noqa: E731
             r = out[str(n)] = {
                 "n_prompt_tokens": kept[-1].n_prompt_tokens, "n_reused_tokens": kept[-1].n_reused_tokens,
@@ -869,10 +872,12 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
                 "ttft_kept_s_calls": [s.time_to_first_token_s for s in kept[2:]],
                 "ttft_again_s_calls": [s.time_to_first_token_s for s in again[2:]],
                 "first_calls_kept_s": [s.time_to_first_token_s for s in kept[:2]],
-                "first_calls_again_s": [s.time_to_first_token_s for s in again[:2]]}
+                "first_calls_again_s": [s.time_to_first_token_s for s in again[:2]],
+                "answers_agree": agree}   # kept vs prefilled again: the same two tokens (exact only in exact arithmetic)
             r["kept_speedup"] = r["ttft_again_s"] / r["ttft_kept_s"]
             log(f"[e2e] follow-up, {name}, {r['n_prompt_tokens']}-token conversation ({r['n_reused_tokens']} kept): "
-                f"TTFT {1e3 * r['ttft_kept_s']:.1f} ms kept, {1e3 * r['ttft_again_s']:.1f} ms prefilled again")
+                f"TTFT {1e3 * r['ttft_kept_s']:.1f} ms kept, {1e3 * r['ttft_again_s']:.1f} ms prefilled again; the same "
+                f"answer in {sum(agree)} of {len(agree)} calls")
             del conv
         except Exception as e:  # noqa: BLE001
             out[str(n)] = {"error": _err(e)}
