@@ -892,9 +892,9 @@ class _TurnCache:
     def kept(self, n: int, extra: int, room: int):
         """The cache with only the K/V of ids[:n] visible and room for `extra` more slots. In place
         when it has the room: later slots are emptied (positions -1) and the next write goes after
-        the n-th token, so the K/V buffers stay those of the whole conversation -- they are donated
-        on through the prefill and the steps, and XLA's command buffers find them at the addresses
-        of the last turn (new addresses cost the prefill a graph update: ~40 instead of ~17 ms on
+        the n-th token, so the buffers stay those of the whole conversation -- they are donated
+        on through this, the prefill and the steps, and XLA's command buffers find them at the
+        addresses of the last turn (new addresses cost the prefill a graph update: ~40 instead of ~17 ms on
         an H200, `gpu_h200_follow_up_*`). Otherwise a new cache, compacted (the padding between
         question blocks dropped) and grown to twice the capacity (fewer compilations and moves)
         or as much as fits `room` (the most a conversation can use), at least n + extra. Either way `cache` is not
@@ -906,12 +906,19 @@ class _TurnCache:
         end = int(src[-1]) + 1                                                     # the slot after token n
         capacity = self.cache.capacity
         if end + extra <= capacity:
-            pos = np.where(np.arange(capacity) < end, pos, -1).astype(np.int32)
-            return self.cache.replace(pos=jnp.asarray(pos[None]), length=jnp.asarray([end], jnp.int32))
+            return _keep_slots_before(self.cache, jnp.int32(end))
         capacity = _capacity(max(n + extra, min(2 * capacity, room)))
         slots = np.zeros(capacity, np.int32)
         slots[:n] = src
         return _compact_cache(self.cache, jnp.asarray(slots), jnp.int32(n))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _keep_slots_before(cache, end):
+    """cache (donated: every buffer comes back at its address, positions and length included) with
+    its slots from `end` on emptied (position -1) and the next write at slot `end`."""
+    slots = jnp.arange(cache.pos.shape[1], dtype=jnp.int32)[None]
+    return cache.replace(pos=jnp.where(slots < end, cache.pos, -1), length=jnp.full_like(cache.length, end))
 
 
 @jax.jit
