@@ -834,7 +834,8 @@ class Conversation:
     then the ones computed when they were asked and answered; with a sparse method a follow-up's
     answer can differ slightly from `ask(..., history=...)`'s, which prefills the whole conversation
     in one block (selections of the fixed context are made per block). With reuse_cache=False each
-    question prefills the whole conversation again (and answers exactly as `ask(history=...)`)."""
+    question prefills the whole conversation again (and answers exactly as `ask(history=...)`).
+    The kept K/V hold device memory for the conversation's tokens until `reset()`."""
 
     def __init__(self, context: FixedContext, reuse_cache: bool = True):
         self.context = context
@@ -890,15 +891,16 @@ class _TurnCache:
         return int(differ[0]) if differ.size else n
 
     def kept(self, n: int, extra: int, room: int):
-        """The cache with only the K/V of ids[:n] visible and room for `extra` more slots. In place
-        when it has the room: later slots are emptied (positions -1) and the next write goes after
-        the n-th token, so the buffers stay those of the whole conversation -- they are donated
-        on through this, the prefill and the steps, and XLA's command buffers find them at the
-        addresses of the last turn (a follow-up on a new copy took 40.5 instead of 31.0 ms to its
-        first token on an H200, benchmarks/results/gpu_h200_follow_up/). Otherwise a new cache, compacted (the padding between
-        question blocks dropped) and grown to twice the capacity (fewer compilations and moves)
-        or as much as fits `room` (the most a conversation can use), at least n + extra. Either way `cache` is not
-        valid afterwards: it is the new cache's or donated with it."""
+        """The cache with only the K/V of ids[:n] visible and room for `extra` more slots.
+
+        In place when it has the room: later slots are emptied (positions -1) and the next write
+        goes after the n-th token, so the buffers stay those of the whole conversation. They are
+        donated on through this, the prefill and the steps, and XLA's command buffers find them at
+        the addresses of the last turn (on a new copy each time, a follow-up took 40.5 instead of
+        31.0 ms to its first token on an H200, benchmarks/results/gpu_h200_follow_up/).
+        Otherwise a new cache: compacted (the padding between question blocks dropped), with twice
+        the capacity (fewer compilations and moves) or as much as fits `room` (the most a
+        conversation can use), at least n + extra. Either way `cache` is not to be used again."""
         pos = np.asarray(self.cache.pos)[0]
         src = np.flatnonzero((pos >= self.n_doc) & (pos < self.n_doc + n))        # slots in order
         if not np.array_equal(pos[src], self.n_doc + np.arange(n)):
