@@ -190,6 +190,26 @@ def test_sparse_follow_ups_reuse_the_cache(sq_ctx):
         "And the rope?", tuple(conv.history[:-1])).tolist()[:a.stats.n_reused_tokens]
 
 
+@pytest.mark.parametrize("name", ["hsqueezed", "quest", "snapkv", "streaming", "oracle", "saap"])
+def test_every_method_holds_a_conversation(full_ctx, name):
+    """Every method answers follow-ups on its kept K/V: the follow-up reuses the first turn's prompt
+    and answer and prefills the rest; without reuse it prefills all of it."""
+    import warnings
+
+    from sqjax.methods import method_from_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # SAAP: its default probes cover every bucket of this short document
+        ctx = full_ctx.with_method(method_from_name(name))
+    conv = ctx.conversation()
+    first = conv.ask("Where are the lamps?", max_new_tokens=3, stop_ids=())
+    follow = conv.ask("And the cables?", max_new_tokens=3, stop_ids=())
+    assert len(first.token_ids) == len(follow.token_ids) == 3
+    assert first.stats.n_prompt_tokens <= follow.stats.n_reused_tokens < follow.stats.n_prompt_tokens
+    again = ctx.ask("And the cables?", max_new_tokens=3, stop_ids=(), history=conv.history[:1])
+    assert again.stats.n_reused_tokens == 0 and again.stats.n_prompt_tokens == follow.stats.n_prompt_tokens
+
+
 def test_compact_cache_keeps_the_chosen_slots():
     """`_compact_cache`: slot i < n of the new cache is the old slot slots[i]; the rest are empty."""
     from models.kv_cache import KVCache
