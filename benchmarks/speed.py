@@ -885,6 +885,20 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
     return out
 
 
+def _rows_by_length(ask: dict, key: str, time_key: str):
+    """The end-to-end `ask` rows' per-length results under `key`: [(method, length, row)], and
+    vs_full(method, length, row) -> full attention's `time_key` over the row's (None for full
+    attention itself, for an error, or where full attention has no time)."""
+    rows = [(name, n, t) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
+            for n, t in r.get(key, {}).items()]
+    full = {n: t.get(time_key) for name, n, t in rows if name == "full"}
+
+    def vs_full(name, n, t):
+        return full[n] / t[time_key] if name != "full" and full.get(n) and time_key in t else None
+
+    return rows, vs_full
+
+
 def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: int, log, batches=(),
               question_tokens=(), follow_up_tokens=()) -> dict:
     """`FixedContext.ask` -- the library's question loop (question prefill, pipelined decode on
@@ -1559,21 +1573,18 @@ def to_markdown(res: dict) -> str:
                     sp = ask.get("batch_speedup", {}).get(n) if name == "squeezed" else None
                     md.append(f"| {name} | {n} | {b['ms_per_step']:.3f} | {b['tokens_per_s']:.1f} | "
                               f"{1e3 * b['ttft_s']:.1f} | {b['ask_many_s']:.2f} | {_f(sp, 2, '×')} |")
-            longer = [(name, n, t) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
-                      for n, t in r.get("ttft_by_question_tokens", {}).items()]
+            longer, vs_full = _rows_by_length(ask, "ttft_by_question_tokens", "ttft_s")
             if longer:
                 md += ["", "Time to first token by question length (a follow-up with that many tokens of earlier "
                        "turns costs the same: `ask(history=...)` prefills them again):", "",
                        "| method | question tokens | TTFT ms | speed-up vs full |", "|---|---|---|---|"]
-                full_t = {n: t.get("ttft_s") for name, n, t in longer if name == "full"}
                 for name, n, t in longer:
                     if "error" in t:
                         md.append(f"| {name} | {n} | error: {t['error'][:80]} | |")
                         continue
-                    sp = full_t[n] / t["ttft_s"] if name != "full" and full_t.get(n) else None
-                    md.append(f"| {name} | {t['n_prompt_tokens']} | {1e3 * t['ttft_s']:.1f} | {_f(sp, 2, '×')} |")
-            follow = [(name, n, t) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
-                      for n, t in r.get("ttft_follow_up", {}).items()]
+                    md.append(f"| {name} | {t['n_prompt_tokens']} | {1e3 * t['ttft_s']:.1f} | "
+                              f"{_f(vs_full(name, n, t), 2, '×')} |")
+            follow, vs_full = _rows_by_length(ask, "ttft_follow_up", "ttft_kept_s")
             if follow:
                 md += ["", "A follow-up's time to first token: `Conversation.ask` keeps the turns' K/V and prefills "
                        "only what is new (here the new question and the last answer, which the random model's "
@@ -1581,14 +1592,13 @@ def to_markdown(res: dict) -> str:
                        "conversation again:", "",
                        "| method | conversation tokens | kept | TTFT kept ms | TTFT prefilled again ms | kept vs again | "
                        "kept vs full kept |", "|---|---|---|---|---|---|---|"]
-                full_k = {n: t.get("ttft_kept_s") for name, n, t in follow if name == "full"}
                 for name, n, t in follow:
                     if "error" in t:
                         md.append(f"| {name} | {n} | error: {t['error'][:80]} | | | | |")
                         continue
-                    sp = full_k[n] / t["ttft_kept_s"] if name != "full" and full_k.get(n) else None
                     md.append(f"| {name} | {t['n_prompt_tokens']} | {t['n_reused_tokens']} | {1e3 * t['ttft_kept_s']:.1f} | "
-                              f"{1e3 * t['ttft_again_s']:.1f} | {t['kept_speedup']:.2f}× | {_f(sp, 2, '×')} |")
+                              f"{1e3 * t['ttft_again_s']:.1f} | {t['kept_speedup']:.2f}× | "
+                              f"{_f(vs_full(name, n, t), 2, '×')} |")
         md.append("")
     if res.get("errors"):
         md += ["## Errors", ""] + [f"- {e}" for e in res["errors"]]
