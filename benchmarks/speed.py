@@ -725,21 +725,33 @@ def kernel_cases(plan: Plan, src: KeySource, log, deadline: float, offline: dict
 
 class _ByteTokenizer:
     """Text -> ids for a random-weight model, which has no tokenizer of its own: one id per
-    UTF-8 byte (folded into the vocabulary), no stop id (an answer runs to max_new_tokens)."""
+    UTF-8 byte of text below U+0100 (folded into the vocabulary), no stop id (an answer runs to
+    max_new_tokens). `decode` writes each id as its own character above U+00FF (surrogates
+    skipped), which `encode` reads back as that id: an answer encodes back to the tokens it was
+    generated as, as a real tokenizer's mostly do (a `Conversation` then reuses all of it)."""
 
     eos_ids: tuple = ()
+    _BASE, _GAP = 0x100, 0x800          # id i <-> chr(0x100 + i), past the surrogates U+D800..U+DFFF
 
     def __init__(self, vocab_size: int):
         self.n = vocab_size - 3
 
     def encode(self, text: str, add_bos=None, *, special: bool = True) -> list[int]:
-        return [3 + b % self.n for b in text.encode()]
+        ids = []
+        for c in text:
+            o = ord(c)
+            if o < self._BASE:
+                ids += [3 + b % self.n for b in c.encode()]
+            else:
+                ids.append(o - self._BASE - (self._GAP if o >= 0xD800 + self._GAP else 0))
+        return ids
 
     def has_special_text(self, text: str) -> bool:   # it has no special tokens
         return False
 
     def decode(self, ids) -> str:
-        return "".join(chr(32 + (int(i) - 3) % 95) for i in ids)
+        cps = (self._BASE + int(i) for i in ids)
+        return "".join(chr(cp + self._GAP if cp >= 0xD800 else cp) for cp in cps)
 
     @staticmethod
     def apply_chat_template(messages, add_generation_prompt: bool = True) -> str:
@@ -846,10 +858,9 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
     prefills only what is new, against `ask(history=...)`, which prefills the whole conversation
     again. Each timed follow-up is undone, and the next one is numbered differently at its start, so
     each prefills its whole question; medians of `_ASK_TIMED_CALLS` calls after two (which compile:
-    the first also prefills the last answer and grows the kept cache, the second's question block
-    is shorter; later ones run on the kept K/V buffers in place). The random model's answers
-    do not encode back to its tokens (`_ByteTokenizer`), so a kept follow-up also prefills the last
-    answer again (n_new tokens) -- a real tokenizer's answers mostly do."""
+    the first grows the kept cache, the second's question block is shorter; later ones run on the
+    kept K/V buffers in place). Each timed follow-up prefills its own turn from its number on: the
+    earlier follow-up's prompt, kept, holds everything before it."""
     out = {}
     for n in lengths:
         first = (question * (n // max(1, len(question)) + 1))[: max(1, n - n_new - 30)]
@@ -1587,9 +1598,8 @@ def to_markdown(res: dict) -> str:
             follow, vs_full = _rows_by_length(ask, "ttft_follow_up", "ttft_kept_s")
             if follow:
                 md += ["", "A follow-up's time to first token: `Conversation.ask` keeps the turns' K/V and prefills "
-                       "only what is new (here the new question and the last answer, which the random model's "
-                       "tokens do not encode back to), against `ask(history=...)`, which prefills the whole "
-                       "conversation again:", "",
+                       "only the new turn, against `ask(history=...)`, which prefills the whole conversation "
+                       "again:", "",
                        "| method | conversation tokens | kept | TTFT kept ms | TTFT prefilled again ms | kept vs again | "
                        "kept vs full kept |", "|---|---|---|---|---|---|---|"]
                 for name, n, t in follow:

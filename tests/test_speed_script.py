@@ -381,3 +381,18 @@ def test_out_of_memory_errors_carry_the_allocator_figures(monkeypatch):
     msg = speed._err(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 29.16GiB"))
     assert "28.0 GiB in use, peak 50.0, limit 59.0" in msg and "next to run" in msg
     assert speed._err(ValueError("bad shape")) == "ValueError: bad shape"
+
+
+def test_byte_tokenizer_reads_its_answers_back():
+    """The end-to-end model's tokenizer: text below U+0100 is one id per UTF-8 byte (as before);
+    every id decodes to a character that encodes back to it (surrogates skipped), so a random
+    model's answer round-trips in a conversation's kept prompt."""
+    from benchmarks.speed import _ByteTokenizer
+
+    tok = _ByteTokenizer(128256)
+    ids = list(range(0, 128256, 97)) + [0xD6FF, 0xD700, 0xDEFF, 0xDF00, 128255]
+    text = tok.decode(ids)
+    text.encode()                                    # no surrogate: valid UTF-8
+    assert tok.encode(text) == ids
+    assert tok.encode("ab é") == [3 + b for b in "ab é".encode()]
+    assert tok.encode(tok.decode([5]) + "?") == [5, 3 + ord("?")]
