@@ -830,13 +830,18 @@ def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
             "ms_per_step_calls": [1e3 * x for x in step]}
 
 
+def _repeated(text: str, n: int) -> str:
+    """`text` repeated to n characters (at least 1): n tokens of the byte tokenizer."""
+    return (text * (max(1, n) // max(1, len(text)) + 1))[: max(1, n)]
+
+
 def _ttft_by_question_tokens(ctx, question: str, lengths, log, name: str) -> dict:
     """`ask`'s time to first token for questions of each length in `lengths` (tokens of the byte
     tokenizer, the question repeated to fill them): median of `_ASK_TIMED_CALLS` calls after the
     first, which compiles. A follow-up with that many tokens of earlier turns costs the same."""
     out = {}
     for n in lengths:
-        text = (question * (n // max(1, len(question)) + 1))[: max(1, n - 2)]   # + the template's "\n\n"
+        text = _repeated(question, n - 2)   # + the template's "\n\n"
         try:
             ttft, n_tok = [], 0
             for _ in range(1 + _ASK_TIMED_CALLS):
@@ -863,7 +868,7 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
     earlier follow-up's prompt, kept, holds everything before it."""
     out = {}
     for n in lengths:
-        first = (question * (n // max(1, len(question)) + 1))[: max(1, n - n_new - 30)]
+        first = _repeated(question, n - n_new - 30)   # + the answer and the template's marks
         try:
             conv = ctx.conversation()
             conv.ask(first, max_new_tokens=n_new)
@@ -908,6 +913,18 @@ def _rows_by_length(ask: dict, key: str, time_key: str):
         return full[n] / t[time_key] if name != "full" and full.get(n) and time_key in t else None
 
     return rows, vs_full
+
+
+def _by_length_md(rows, n_cols: int, cells) -> list[str]:
+    """Markdown rows of `_rows_by_length`'s (method, length, row): | method | cells(method, length, row)... |,
+    or an error row padded to n_cols columns."""
+    out = []
+    for name, n, t in rows:
+        if "error" in t:
+            out.append(f"| {name} | {n} | error: {t['error'][:80]} |" + " |" * (n_cols - 3))
+        else:
+            out.append("| " + " | ".join(str(c) for c in (name, *cells(name, n, t))) + " |")
+    return out
 
 
 def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: int, log, batches=(),
@@ -1589,12 +1606,8 @@ def to_markdown(res: dict) -> str:
                 md += ["", "Time to first token by question length (a follow-up with that many tokens of earlier "
                        "turns costs the same: `ask(history=...)` prefills them again):", "",
                        "| method | question tokens | TTFT ms | speed-up vs full |", "|---|---|---|---|"]
-                for name, n, t in longer:
-                    if "error" in t:
-                        md.append(f"| {name} | {n} | error: {t['error'][:80]} | |")
-                        continue
-                    md.append(f"| {name} | {t['n_prompt_tokens']} | {1e3 * t['ttft_s']:.1f} | "
-                              f"{_f(vs_full(name, n, t), 2, '×')} |")
+                md += _by_length_md(longer, 4, lambda name, n, t: (
+                    t['n_prompt_tokens'], f"{1e3 * t['ttft_s']:.1f}", _f(vs_full(name, n, t), 2, '×')))
             follow, vs_full = _rows_by_length(ask, "ttft_follow_up", "ttft_kept_s")
             if follow:
                 md += ["", "A follow-up's time to first token: `Conversation.ask` keeps the turns' K/V and prefills "
@@ -1602,13 +1615,9 @@ def to_markdown(res: dict) -> str:
                        "again:", "",
                        "| method | conversation tokens | kept | TTFT kept ms | TTFT prefilled again ms | kept vs again | "
                        "kept vs full kept |", "|---|---|---|---|---|---|---|"]
-                for name, n, t in follow:
-                    if "error" in t:
-                        md.append(f"| {name} | {n} | error: {t['error'][:80]} | | | | |")
-                        continue
-                    md.append(f"| {name} | {t['n_prompt_tokens']} | {t['n_reused_tokens']} | {1e3 * t['ttft_kept_s']:.1f} | "
-                              f"{1e3 * t['ttft_again_s']:.1f} | {t['kept_speedup']:.2f}× | "
-                              f"{_f(vs_full(name, n, t), 2, '×')} |")
+                md += _by_length_md(follow, 7, lambda name, n, t: (
+                    t['n_prompt_tokens'], t['n_reused_tokens'], f"{1e3 * t['ttft_kept_s']:.1f}",
+                    f"{1e3 * t['ttft_again_s']:.1f}", f"{t['kept_speedup']:.2f}×", _f(vs_full(name, n, t), 2, '×')))
         md.append("")
     if res.get("errors"):
         md += ["## Errors", ""] + [f"- {e}" for e in res["errors"]]
