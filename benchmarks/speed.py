@@ -761,7 +761,9 @@ class _ByteTokenizer:
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
-_CHAT_SUFFIX = "\n\n{question}<|end|>\n<|assistant|>\n"   # `_ByteTokenizer`'s template after its first user turn's document
+# `_ByteTokenizer`'s template after its first user turn's document, which ends with "\n\n" as a built
+# context's does (`FixedContext._split_template`): a follow-up's prompt then starts with the first question
+_CHAT_SUFFIX = "{question}<|end|>\n<|assistant|>\n"
 
 
 def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
@@ -889,6 +891,7 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
                 "ttft_again_s_calls": [s.time_to_first_token_s for s in again[2:]],
                 "first_calls_kept_s": [s.time_to_first_token_s for s in kept[:2]],
                 "first_calls_again_s": [s.time_to_first_token_s for s in again[:2]],
+                "n_reused_tokens_calls": [s.n_reused_tokens for s in kept],
                 "answers_agree": agree}   # kept vs prefilled again: the same two tokens (exact only in exact arithmetic)
             r["kept_speedup"] = r["ttft_again_s"] / r["ttft_kept_s"]
             log(f"[e2e] follow-up, {name}, {r['n_prompt_tokens']}-token conversation ({r['n_reused_tokens']} kept): "

@@ -184,6 +184,7 @@ def test_speed_end_to_end_cpu_smoke(tmp_path):
         t = ask[name]["ttft_follow_up"]["48"]
         assert "error" not in t, t
         assert 0 < t["n_reused_tokens"] < t["n_prompt_tokens"] and len(t["ttft_kept_s_calls"]) == _ASK_TIMED_CALLS
+        assert all(0 < n < t["n_prompt_tokens"] for n in t["n_reused_tokens_calls"])   # the first follow-up too
         assert t["ttft_kept_s"] == pytest.approx(float(np.median(t["ttft_kept_s_calls"])))
         assert t["kept_speedup"] == pytest.approx(t["ttft_again_s"] / t["ttft_kept_s"])
     assert f"| squeezed | {ask['squeezed']['ttft_follow_up']['48']['n_prompt_tokens']} |" in (tmp_path / "speed.md").read_text()
