@@ -14,18 +14,23 @@ turn of --probe-turn tokens (question and a 16-token answer):
   * the stages of the kept and the lone path, host time after each returns (async) and synced
     (`block_until_ready` after each stage);
   * profiler traces of one kept and one lone call: device busy / span / kernels / gaps, host events.
+With --ab-routes instead of those series: the follow-up block's new part by the prefix route (the default,
+`new_part="prefix_causal_left_padded"`) against the position mask over the cache (the route before it),
+alternating, and whether both give the same tokens; on a GPU first a model-shaped compiled check of both.
 Times are each call's `time_to_first_token_s`; medians of 7 calls after 2. Writes probe.json under --out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import speed
@@ -119,11 +124,41 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=(), q
                 return t
             return g
 
-        for label, call in (("lone", lone), ("kept", kept), ("kept_interleaved", interleaved(kept)),
-                            ("lone_interleaved", interleaved(lone)), ("kept_again", kept),
-                            ("kept_no_cmdbuf", lambda i: kept(i, lambda: NO_CMDBUF_PREFILL)),
-                            ("kept_after_no_cmdbuf", kept), ("lone_again", lone),
-                            ("kept_16_tokens", lambda i: kept(i, n_new=16)), ("lone_16_tokens", lambda i: lone(i, 16))):
+        routes = {"prefix": ctx._follow_up_hook, "masked": ctx._hook}   # the follow-up block's new part
+
+        def kept_by(route):
+            def call(i):
+                ctx._follow_up_hook = routes[route]
+                try:
+                    return kept(i)
+                finally:
+                    ctx._follow_up_hook = routes["prefix"]
+            return call
+
+        series = (("lone", lone), ("kept", kept), ("kept_interleaved", interleaved(kept)),
+                  ("lone_interleaved", interleaved(lone)), ("kept_again", kept),
+                  ("kept_no_cmdbuf", lambda i: kept(i, lambda: NO_CMDBUF_PREFILL)),
+                  ("kept_after_no_cmdbuf", kept), ("lone_again", lone),
+                  ("kept_16_tokens", lambda i: kept(i, n_new=16)), ("lone_16_tokens", lambda i: lone(i, 16)))
+        if RESULTS.get("ab_routes"):   # the follow-up's new part by route, alternating, in one process
+            series = (("lone", lone), ("kept_masked", kept_by("masked")), ("kept_prefix", kept_by("prefix")),
+                      ("kept_masked_2", kept_by("masked")), ("kept_prefix_2", kept_by("prefix")), ("lone_2", lone))
+            agree = []
+            for i in range(4):   # the same follow-up by both routes: the same greedy tokens (bf16 aside)
+                q_i = q()
+                toks = []
+                turn = conv._turn    # each route from a copy of the same kept turns (an answer donates them)
+                for route in ("masked", "prefix"):
+                    ctx._follow_up_hook = routes[route]
+                    conv._turn = dataclasses.replace(turn, cache=jax.tree.map(jnp.copy, turn.cache))
+                    toks.append(conv.ask(q_i, max_new_tokens=8).token_ids)
+                    conv.undo()
+                ctx._follow_up_hook = routes["prefix"]
+                agree.append(toks[0] == toks[1])
+            r["routes_agree"] = agree
+            log(f"[follow-up probe] {name}: the masked and the prefix routes gave the same 8 tokens in "
+                f"{sum(agree)} of {len(agree)} follow-ups")
+        for label, call in series:
             try:
                 r[label] = _series(call)
                 log(f"[follow-up probe] {name}: {label}: TTFT median {r[label]['median_ms']:.2f} ms; calls "
@@ -170,6 +205,35 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=(), q
     return rows
 
 
+def model_shape_check(log, hq=32, hkv=8, d=128, t=160, n_prefix=2058, capacity=4224) -> dict:
+    """The follow-up's new part at the end-to-end model's shapes (bf16, compiled): a left-padded block
+    of t tokens after n_prefix kept tokens in a cache of `capacity` slots, by the prefix route and by
+    the position mask, against the plain-jnp reference; each call's median time."""
+    from benchmarks._meta import time_ms
+    from pallas_kernels import dense_prefill_attention
+    from pallas_kernels.dense_attention import dense_attention_reference
+    from pallas_kernels.sparse_attention import causal_alignment
+
+    rng = np.random.default_rng(0)
+    pad, num_l = 7, 64
+    q_pos = np.where(np.arange(t) < pad, -1, 1000 + n_prefix + np.arange(t) - pad).astype(np.int32)
+    kv_pos = np.full(capacity, -1, np.int32)
+    kv_pos[:n_prefix] = 1000 + np.arange(n_prefix)
+    kv_pos[n_prefix:n_prefix + t] = q_pos
+    bf = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)   # noqa: E731
+    args = (bf(hq, t, d), bf(hkv, num_l, d), bf(hkv, num_l, d), bf(hkv, capacity, d), bf(hkv, capacity, d),
+            jnp.asarray(q_pos), jnp.asarray(kv_pos))
+    ref = np.asarray(dense_attention_reference(*args, scale=d ** -0.5), np.float32)[:, pad:]
+    out = {"aligned": bool(causal_alignment(args[5], args[6], True, True)[2])}
+    for mode in ("prefix_causal_left_padded", "causal_left_padded", "mask"):
+        f = jax.jit(lambda *a, mode=mode: dense_prefill_attention(*a, scale=d ** -0.5, backend="auto", new_part=mode))
+        o = np.asarray(f(*args), np.float32)[:, pad:]
+        err = float(np.abs(o - ref).max() / np.abs(ref).max())
+        out[mode] = {"max_rel_err": err, "ms": time_ms(f, [args])}
+        log(f"[follow-up probe] model-shaped new part, {mode}: max rel err {err:.2e}, {out[mode]['ms']:.3f} ms per call")
+    return out
+
+
 def _save():
     out = RESULTS.get("_out")
     if out:
@@ -191,12 +255,20 @@ def main() -> int:
     argv = sys.argv[1:]
     out = _pop_option(argv, "--out", "")
     RESULTS["turn_tokens"] = int(_pop_option(argv, "--probe-turn", "2048"))
+    RESULTS["ab_routes"] = "--ab-routes" in argv
+    argv = [a for a in argv if a != "--ab-routes"]
     if out:
         os.makedirs(out, exist_ok=True)
         RESULTS["_out"] = out
     RESULTS["meta"] = metadata()
 
     def rows(*a, **k):
+        if jax.default_backend() == "gpu":
+            try:
+                RESULTS["model_shape_check"] = model_shape_check(a[6] if len(a) > 6 else print)
+            except Exception as e:  # noqa: BLE001
+                RESULTS["model_shape_check"] = {"error": repr(e)[:500]}
+                print(f"[follow-up probe] model-shaped check failed: {e!r}"[:500])
         RESULTS["rows"] = probe_rows(*a, **k)
         return RESULTS["rows"]
 

@@ -217,7 +217,9 @@ def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poi
   """Random check inputs; the new part's slots 20% empty, query i seeing slots 0..i. ``causal_new``:
   instead the layout a block's own keys have (no empty slot among them; T > S: the last S queries are
   the slots), which the dense prefill paths run under cuDNN's causal mask; "left": that layout with
-  its first 5 queries and slots padding (``new_part="causal_left_padded"``)."""
+  its first 5 queries and slots padding (``new_part="causal_left_padded"``); "prefix": a conversation's
+  follow-up (``new_part="prefix_causal_left_padded"``): slots of its earlier turns, then the block with
+  its first 5 queries and slots padding, then a fifth of the rest empty (num_s > seq_len + 5)."""
   q = rng.normal(size=(hq, seq_len, d))
   k = rng.normal(size=(hkv, num_l, d))
   v = rng.normal(size=(hkv, num_l, d))
@@ -243,7 +245,13 @@ def _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len, num_s, cap, hs, *, poi
   if causal_new:
     kvp = num_l + np.where(np.arange(num_s) < seq_len, np.arange(num_s), -1 - num_l)
     qp = num_l + min(num_s - seq_len, 0) + np.arange(seq_len)
-  if causal_new == "left":   # and the causal square's first 5 rows and slots padding (a left-padded question)
+  if causal_new == "prefix":
+    n_prefix = (num_s - seq_len) * 4 // 5
+    qp = np.where(np.arange(seq_len) < 5, -1, num_l + n_prefix + np.arange(seq_len) - 5)
+    kvp = np.full(num_s, -1)
+    kvp[:n_prefix] = num_l + np.arange(n_prefix)
+    kvp[n_prefix:n_prefix + seq_len] = qp
+  elif causal_new == "left":   # and the causal square's first 5 rows and slots padding (a left-padded question)
     off = seq_len - min(seq_len, num_s)
     qp[off:off + 5] = -1
     kvp[:5] = -1
@@ -370,12 +378,19 @@ def run_checks(plan: Plan, log) -> list[dict]:
     out = saap_attention(*args, **kw, backend=be)
     return rel_err(out, saap_attention_reference(*args, **kw)), {}
 
-  def dense_case(seq_len_, fn=dense_decode_attention, causal_new=False, **kw):
-    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s, cap, hkv, poison=False, causal_new=causal_new)
+  def dense_case(seq_len_, fn=dense_decode_attention, causal_new=False, num_s_=num_s, **kw):
+    x = _check_inputs(rng, hq, hkv, d, num_l, num_c, seq_len_, num_s_, cap, hkv, poison=False, causal_new=causal_new)
     args = (x["q"], x["k"], x["v"], x["kn"], x["vn"], x["qp"], x["kvp"])
     out, lse = fn(*args, scale=scale, return_lse=True, backend=be, **kw)
     ref, rlse = dense_attention_reference(*args, scale=scale, return_lse=True)
-    return rel_err(out, ref), {"lse_err": rel_err(lse, rlse)}
+    extra = {"lse_err": rel_err(lse, rlse)}
+    if causal_new:   # the layout the check is for takes the causal (and prefix) route, not the position mask
+      from pallas_kernels.sparse_attention import causal_alignment
+      mode = kw.get("new_part", "causal")
+      extra["aligned"] = bool(causal_alignment(x["qp"], x["kvp"], mode != "causal", mode.startswith("prefix"))[2])
+      if not extra["aligned"]:
+        return float("inf"), extra
+    return rel_err(out, ref), extra
 
   tl, ta = 1e-2, 2e-2
   check("dense split-KV decode (Pallas dense baseline)", lambda: dense_case(1), ta)
@@ -386,6 +401,9 @@ def run_checks(plan: Plan, log) -> list[dict]:
         lambda: dense_case(seq_len, dense_prefill_attention, causal_new=True), 3e-2)
   check("dense flash prefill block, a left-padded block's own keys (rolled causal mask)",
         lambda: dense_case(seq_len, dense_prefill_attention, causal_new="left", new_part="causal_left_padded"), 3e-2)
+  check("dense flash prefill block, a follow-up after its turns (prefix in key splits + rolled causal mask)",
+        lambda: dense_case(seq_len, dense_prefill_attention, causal_new="prefix", num_s_=24 * seq_len,
+                           new_part="prefix_causal_left_padded"), 3e-2)
 
   def flash_splits_case():
     # the prefill fast paths' fixed part in key chunks with per-head key counts (one head with no

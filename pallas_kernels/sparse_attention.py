@@ -374,28 +374,37 @@ def _dense_attention(query, key, value, *, mask, kv_len, scale, implementation, 
   return swap(out), swap(lse.astype(jnp.float32))
 
 
-NEW_PART_MODES = ("causal", "causal_left_padded", "mask")
+NEW_PART_MODES = ("causal", "causal_left_padded", "prefix_causal_left_padded", "mask")
+PREFIX_MIN_CHUNK = 512   # keys per split of the prefix's flash call (`_new_part`, "prefix_causal_left_padded")
 
 
-def causal_alignment(q_pos, kv_pos_new, left_padded: bool = False):
+def causal_alignment(q_pos, kv_pos_new, left_padded: bool = False, prefix: bool = False):
   """Whether a block's new part is its own keys in order, the case `_new_part` hands to a causal mask.
 
-  With m = min(T, S), the causal square is queries T-m .. T-1 against slots 0 .. m-1; ``left_padded``:
-  its first p rows (p = the square's leading queries at position -1) are padding, and query T-m+p+i
-  should see exactly slots p .. p+i (the square rolled by p has its padding at the end, where cuDNN's
-  padding lengths drop it). -> (vis [T, S]: slot j visible to query i, i.e. 0 <= kv_pos_new[j] <=
-  q_pos[i]; has [T]: query i sees a slot; aligned: every query that sees any sees exactly what the
-  (rolled) causal square gives it; p: int32 scalar, 0 unless ``left_padded``)."""
+  With m = min(T, S), the causal square is queries T-m .. T-1 against slots s0 .. s0+m-1 (s0 = 0);
+  ``left_padded``: its first p rows (p = the square's leading queries at position -1) are padding,
+  and query T-m+p+i should see exactly slots s0+p .. s0+p+i (the square rolled by p has its padding
+  at the end, where cuDNN's padding lengths drop it). ``prefix``: slots 0 .. s0-1 before the square
+  (a conversation's earlier turns) are seen by every real query, s0 found from the slot that holds
+  the square's first real position (-> s0 - p). -> (vis [T, S]: slot j visible to query i, i.e.
+  0 <= kv_pos_new[j] <= q_pos[i]; has [T]: query i sees a slot; aligned: every query that sees any
+  sees exactly what the prefix and the (rolled) causal square give it; p: int32 scalar, 0 unless
+  ``left_padded``; s0: int32 scalar in [0, S - m], 0 unless ``prefix``)."""
   seq_len, num_s = q_pos.shape[0], kv_pos_new.shape[0]
   vis = (kv_pos_new >= 0)[None, :] & (kv_pos_new[None, :] <= q_pos[:, None])
   has = jnp.any(vis, axis=1)
   m = min(seq_len, num_s)
   off = seq_len - m
   p = jnp.argmax(q_pos[off:] >= 0).astype(jnp.int32) if left_padded else jnp.int32(0)
-  i, j = jnp.arange(seq_len)[:, None], jnp.arange(num_s)[None, :]
-  ir, jr = (i - off - p) % m, (j - p) % m                 # rolled row (square) and slot indices
-  expect = (i >= off) & (j < m) & (ir < m - p) & (jr <= ir)
-  return vis, has, jnp.all((vis == expect) | ~has[:, None]), p
+  s0, fits = jnp.int32(0), True
+  if prefix:
+    first = q_pos[off + p]                                          # the square's first real position
+    s0 = jnp.argmax(kv_pos_new == first).astype(jnp.int32) - p
+    fits = (s0 >= 0) & (s0 <= num_s - m)
+    s0 = jnp.clip(s0, 0, num_s - m)
+  i, j = jnp.arange(seq_len)[:, None], jnp.arange(num_s)[None, :] - s0
+  expect = (j < 0) | ((i >= off) & (j >= p) & (j < m) & (j - p <= i - off - p))
+  return vis, has, fits & jnp.all((vis == expect) | ~has[:, None]), p, s0
 
 
 def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, new_part="causal"):
@@ -415,12 +424,17 @@ def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, new_
   masked call with padding lengths takes 1.03 instead of 0.80 ms. "causal_left_padded": the same
   for left-padded blocks (a question padded to a bucket length): the causal square is rolled by its
   padding rows before the call and back after (two gathers of q's and the output's size).
+  "prefix_causal_left_padded": the same after a prefix every real query sees (a conversation's
+  follow-up after its kept turns, `sqjax.fixed_context._TurnCache`): the prefix by a flash call
+  with no mask, its keys cut into splits (`_flash_fixed`: a short block over a few thousand keys
+  otherwise runs a few programs per head), merged with the square by log-sum-exp.
   "mask": the position mask alone."""
   if new_part not in NEW_PART_MODES:
     raise ValueError(f"new_part must be one of {NEW_PART_MODES}, got {new_part!r}")
-  hq, seq_len, _ = q.shape
-  num_s = k_new.shape[1]
-  vis, has, aligned, p = causal_alignment(q_pos, kv_pos_new, new_part == "causal_left_padded")
+  hq, seq_len, d = q.shape
+  hkv, num_s = k_new.shape[:2]
+  prefix = new_part == "prefix_causal_left_padded"
+  vis, has, aligned, p, s0 = causal_alignment(q_pos, kv_pos_new, new_part != "causal", prefix)
   has = jnp.broadcast_to(has[None, :], (hq, seq_len))
   slot = (kv_pos_new >= 0)[None, :, None]                                      # empty slots -> 0
   masked = functools.partial(_dense_attention, q[None], jnp.where(slot, k_new, 0)[None],
@@ -431,8 +445,10 @@ def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, new_
     return o_m[0], lse_m[0], has
   m = min(seq_len, num_s)
   off = seq_len - m
-  qc, kc, vc = q[:, off:], k_new[:, :m], v_new[:, :m]                          # the causal square
-  if new_part == "causal_left_padded":                                         # padding rows to the end
+  qc = q[:, off:]                                                              # the causal square
+  kc, vc = ((lax.dynamic_slice_in_dim(x, s0, m, axis=1) for x in (k_new, v_new)) if prefix else
+            (k_new[:, :m], v_new[:, :m]))
+  if new_part != "causal":                                                     # padding rows to the end
     roll = (jnp.arange(m) + p) % m
     qc, kc, vc = (jnp.take(x, roll, axis=1) for x in (qc, kc, vc))
   on = lambda n: jnp.where(aligned, n, 0).reshape(1).astype(jnp.int32)         # noqa: E731
@@ -441,12 +457,20 @@ def _new_part(q, k_new, v_new, q_pos, kv_pos_new, *, scale, implementation, new_
                                 q_len=on(m - p), kv_len=on(m - p), implementation=implementation,
                                 layout="BNTH")                                 # [1, Hq, m, d], [1, Hq, m]
   o_c, lse_c = o_c[0], lse_c[0]
-  if new_part == "causal_left_padded":                                         # and back
+  if new_part != "causal":                                                     # and back
     unroll = (jnp.arange(m) - p) % m
     o_c, lse_c = jnp.take(o_c, unroll, axis=1), jnp.take(lse_c, unroll, axis=1)
   o_m, lse_m = masked(q_len=off_(seq_len), kv_len=off_(num_s))
   o_c = jnp.pad(o_c, ((0, 0), (off, 0), (0, 0)))
   lse_c = jnp.pad(lse_c, ((0, 0), (off, 0)), constant_values=-jnp.inf)
+  if prefix:   # the prefix's keys for every query (its r query heads per KV head as r T rows: no mask)
+    r = hq // hkv
+    n = jnp.full((hkv,), jnp.where(aligned, s0, 0), jnp.int32)
+    splits = flash_kv_splits(hkv, r * seq_len, num_s, min_chunk=PREFIX_MIN_CHUNK)
+    o_p, lse_p = _flash_fixed(q.reshape(hkv, r * seq_len, 1, d), k_new[:, :, None], v_new[:, :, None], n,
+                              scale=scale, splits=splits, implementation=implementation)
+    sq = (o_c, jnp.where(jnp.arange(seq_len)[None, :] >= off + p, lse_c, -jnp.inf))  # the square's real rows
+    o_c, lse_c = merge_lse([(o_p.reshape(hq, seq_len, d), lse_p.reshape(hq, seq_len)), sq])
   return jnp.where(aligned, o_c, o_m[0]), jnp.where(aligned, lse_c, lse_m[0]), has
 
 

@@ -101,7 +101,8 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
     new_part: how a block attends its own keys on GPU: "causal" (cuDNN's causal mask when the
     positions allow it, checked on the device; exact either way), "causal_left_padded" (the same
-    for left-padded blocks) or "mask" (`pallas_kernels.sparse_attention._new_part`).
+    for left-padded blocks), "prefix_causal_left_padded" (the same after earlier slots every query
+    sees: a conversation's follow-up) or "mask" (`pallas_kernels.sparse_attention._new_part`).
     """
     b = resolved()
     ret = selection.retrieval

@@ -130,6 +130,9 @@ class SparseAttentionHook:
     inv_freq: tuple[float, ...]  # RoPE frequencies (for de-roped queries, SAAP)
     needs_q_pre: bool = False
     backend: str = "auto"        # kernels: see sqjax.dispatch
+    # how a block attends its own keys (`pallas_kernels.sparse_attention._new_part`): question blocks are
+    # left-padded (to a multiple of _BUCKET); a follow-up's comes after its conversation's kept turns
+    new_part: str = "causal_left_padded"
 
     def __call__(self, layer, q, cache_k, cache_v, q_pos, kv_pos, state):
         from models.rope import remove_rope
@@ -154,12 +157,11 @@ class SparseAttentionHook:
                 else:
                     o = dispatch.clustered_prefill(qh, ks, vs, cent, off, t, ckb, cvb, qpb, kpb, scale,
                                                    self.method.vote, level1=level1, threshold1=t1, q_valid=q_valid,
-                                                   int8=self.method.lookup_int8, new_part="causal_left_padded")
+                                                   int8=self.method.lookup_int8, new_part=self.new_part)
                 if o is not None:
                     return jnp.swapaxes(o, 0, 1)
             sel = self.method.select(state["index"], layer, qh, qpre_h, k_fix, q_valid=q_valid)
-            # question blocks are left-padded (to a multiple of _BUCKET)
-            o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale, new_part="causal_left_padded")
+            o = dispatch.attention(qh, k_fix, v_fix, sel, ckb, cvb, qpb, kpb, scale, new_part=self.new_part)
             return jnp.swapaxes(o, 0, 1)
 
         with dispatch.using(self.backend):
@@ -329,6 +331,9 @@ class FixedContext:
         self._hook = SparseAttentionHook(
             method, tuple(float(x) for x in _inv_freq(cfg)), needs_q_pre=isinstance(method, Saap)
         )
+        # a follow-up's block after its conversation's kept turns (`_TurnCache.kept` leaves them in slots
+        # 0 .. n-1): on GPU the turns by an unmasked split flash call, not the position mask over the cache
+        self._follow_up_hook = dataclasses.replace(self._hook, new_part="prefix_causal_left_padded")
         # on GPU, Squeezed (1- or 2-level) decodes through the fused kernel over a cluster-contiguous copy
         fused = isinstance(method, Squeezed) and jax.default_backend() == "gpu"
         self._state = attention_state(self.kv.k, self.kv.v, index, clustered_layout=fused)
@@ -442,18 +447,20 @@ class FixedContext:
         return int(self.doc_ids.shape[0])
 
     # ----------------------------------------------------------------------------- running
-    def _forward(self, tokens, positions, cache, capture: int | None | bool, logits: str = "all"):
-        """tokens, positions int32 [1, T] (host or device arrays) through the sparse hook, one jitted
-        forward (`models.forward.forward_jit`, with XLA's command buffers) for prefills and steps."""
+    def _forward(self, tokens, positions, cache, capture: int | None | bool, logits: str = "all", hook=None):
+        """tokens, positions int32 [1, T] (host or device arrays) through the sparse hook (`hook`, else
+        `_hook`), one jitted forward (`models.forward.forward_jit`, with XLA's command buffers) for
+        prefills and steps."""
         from models.forward import forward_jit
 
-        return forward_jit(self.model.graphdef, self.model.state, tokens, positions, cache, attn_fn=self._hook,
-                           attn_state=self._state, capture_last=capture, logits=logits)
+        return forward_jit(self.model.graphdef, self.model.state, tokens, positions, cache,
+                           attn_fn=hook or self._hook, attn_state=self._state, capture_last=capture, logits=logits)
 
-    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool, logits: str = "all"):
+    def _run(self, ids: np.ndarray, start_pos: int, cache, capture: int | None | bool, logits: str = "all",
+             hook=None):
         """Forward `ids` [n] or [B, n] (−1 = left padding) at positions start_pos.. (per row)
         through the sparse hook."""
-        return self._forward(*_tokens_positions(ids, start_pos), cache, capture, logits)
+        return self._forward(*_tokens_positions(ids, start_pos), cache, capture, logits, hook)
 
     def _run_new_cache(self, ids: np.ndarray, start_pos: int, n: int, capture: int | None | bool,
                        logits: str = "all"):
@@ -643,7 +650,8 @@ class FixedContext:
             # a follow-up: the earlier turns' K/V, with the later slots emptied (or compacted and grown)
             cache = turn.kept(n_reused, padded_len + max_new_tokens,
                               self.model.config.max_position_embeddings - self.n_tokens + _BUCKET)
-            logits, cache, caps = self._run(padded, self.n_tokens + n_reused, cache, capture=None, logits="last")
+            logits, cache, caps = self._run(padded, self.n_tokens + n_reused, cache, capture=None, logits="last",
+                                            hook=self._follow_up_hook)
         else:
             logits, cache, caps = self._run_new_cache(padded, self.n_tokens, padded_len + max_new_tokens,
                                                       capture=None, logits="last")
@@ -891,28 +899,32 @@ class _TurnCache:
         return int(differ[0]) if differ.size else n
 
     def kept(self, n: int, extra: int, room: int):
-        """The cache with only the K/V of ids[:n] visible and room for `extra` more slots.
+        """The cache with the K/V of ids[:n] in slots 0 .. n-1 (the rest empty) and room for `extra`
+        more slots.
 
-        In place when it has the room: later slots are emptied (positions -1) and the next write
-        goes after the n-th token, so the buffers stay those of the whole conversation. They are
+        In place when it has the room: the later slots are emptied (positions -1), and when question
+        blocks left padding slots between the kept tokens they are compacted first, so that a
+        follow-up's block attends its turns as one prefix (`SparseAttentionHook.new_part`,
+        "prefix_causal_left_padded"). The buffers stay those of the whole conversation. They are
         donated on through this, the prefill and the steps, and XLA's command buffers find them at
         the addresses of the last turn (on a new copy each time, a follow-up took 40.5 instead of
         31.0 ms to its first token on an H200, benchmarks/results/gpu_h200_follow_up/).
-        Otherwise a new cache: compacted (the padding between question blocks dropped), with twice
-        the capacity (fewer compilations and moves) or as much as fits `room` (the most a
-        conversation can use), at least n + extra. Either way `cache` is not to be used again."""
+        Otherwise a new cache, compacted, with twice the capacity (fewer compilations and moves) or
+        as much as fits `room` (the most a conversation can use), at least n + extra. Either way
+        `cache` is not to be used again."""
         pos = np.asarray(self.cache.pos)[0]
         src = np.flatnonzero((pos >= self.n_doc) & (pos < self.n_doc + n))        # slots in order
         if not np.array_equal(pos[src], self.n_doc + np.arange(n)):
             raise AssertionError(f"a conversation's cache lost track of its tokens: positions {pos[src][:8]}...")
-        end = int(src[-1]) + 1                                                     # the slot after token n
         capacity = self.cache.capacity
-        if end + extra <= capacity:
-            return _keep_slots_before(self.cache, jnp.int32(end))
-        capacity = _capacity(max(n + extra, min(2 * capacity, room)))
+        if n + extra <= capacity and src[-1] == n - 1:                             # no padding slot between
+            return _keep_slots_before(self.cache, jnp.int32(n))
+        if n + extra > capacity:
+            capacity = _capacity(max(n + extra, min(2 * capacity, room)))
         slots = np.zeros(capacity, np.int32)
         slots[:n] = src
-        return _compact_cache(self.cache, jnp.asarray(slots), jnp.int32(n))
+        move = _compact_cache_in_place if capacity == self.cache.capacity else _compact_cache
+        return move(self.cache, jnp.asarray(slots), jnp.int32(n))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -923,16 +935,18 @@ def _keep_slots_before(cache, end):
     return cache.replace(pos=jnp.where(slots < end, cache.pos, -1), length=jnp.full_like(cache.length, end))
 
 
-@jax.jit
-def _compact_cache(cache, slots, n):
+def _compacted(cache, slots, n):
     """cache (one row) -> a cache of len(slots) slots whose slot i < n is cache's slot slots[i];
-    the rest are empty (position -1), and the next write goes to slot n. A new cache: `cache` stays
-    valid (the steps donate theirs)."""
+    the rest are empty (position -1), and the next write goes to slot n."""
     keep = jnp.arange(slots.shape[0]) < n                                         # [S']
     take = lambda x: jnp.take(x, slots, axis=2)                                   # [1, Hkv, S', d]  # noqa: E731
     pos = jnp.where(keep, jnp.take(cache.pos[0], slots), -1)[None]
     return cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), pos=pos.astype(jnp.int32),
                          length=jnp.reshape(n, (1,)).astype(jnp.int32))
+
+
+_compact_cache = jax.jit(_compacted)     # a new cache: `cache` stays valid (the steps donate theirs)
+_compact_cache_in_place = jax.jit(_compacted, donate_argnums=0)   # len(slots) = the capacity: same buffers
 
 
 def _inv_freq(config) -> np.ndarray:

@@ -230,6 +230,82 @@ def test_compact_cache_keeps_the_chosen_slots():
     assert np.asarray(cache.pos).tolist() == np.asarray(pos).tolist()   # the old cache stays valid
 
 
+def test_compact_cache_in_place_keeps_the_buffers():
+    """`_compact_cache_in_place` (a follow-up whose kept turns have padding slots between them, with
+    room in the cache): the same slots as `_compact_cache`, in the donated cache's own buffers."""
+    from models.kv_cache import KVCache
+    from sqjax.fixed_context import _compact_cache, _compact_cache_in_place
+
+    rng = np.random.default_rng(1)
+    pos = jnp.asarray([[-1, -1, 7, 8, 9, -1, 10, 11, -1, -1, -1, -1]], jnp.int32)
+
+    def cache():
+        k = tuple(jnp.asarray(rng.normal(size=(1, 2, 12, 4)), jnp.float32) for _ in range(2))
+        return KVCache(k=k, v=tuple(x + 1 for x in k), pos=pos, length=jnp.asarray([8], jnp.int32))
+
+    c = cache()
+    slots = jnp.asarray(np.r_[[2, 3, 4, 6, 7], np.zeros(7, int)].astype(np.int32))
+    want = _compact_cache(c, slots, jnp.int32(5))
+    ptrs = [x.unsafe_buffer_pointer() for x in c.k + c.v]
+    got = _compact_cache_in_place(c, slots, jnp.int32(5))
+    assert [x.unsafe_buffer_pointer() for x in got.k + got.v] == ptrs and c.k[0].is_deleted()
+    assert np.asarray(got.pos[0]).tolist() == [7, 8, 9, 10, 11] + [-1] * 7 and int(got.length[0]) == 5
+    for a, b in zip(got.k + got.v, want.k + want.v, strict=True):
+        np.testing.assert_array_equal(np.asarray(a[:, :, :5]), np.asarray(b[:, :, :5]))
+
+
+@pytest.mark.parametrize("which", ["full", "squeezed"])
+def test_follow_up_block_attends_its_turns_as_one_prefix(model, full_ctx, which):
+    """A follow-up's kept turns are left in slots 0 .. n-1 (the padding of the earlier question blocks
+    compacted away), so on a GPU its block attends them as one prefix by a split flash call with no
+    mask and its own keys under the causal mask (`new_part="prefix_causal_left_padded"`, here in the
+    interpreter; Squeezed through the cluster-contiguous route): the layout counts as aligned (the
+    masked call is not taken), and the logits at every real position are the reference backend's and
+    the position mask's."""
+    import dataclasses
+
+    import jax
+
+    from models.forward import forward_jit
+    from pallas_kernels.sparse_attention import causal_alignment
+    from sqjax.fixed_context import _left_pad, _tokens_positions, attention_state
+
+    ctx = full_ctx if which == "full" else full_ctx.with_method(Squeezed(sparsity=0.8, n_sink=1,
+                                                                         capacity_fraction=1.0))
+    conv = ctx.conversation()
+    # a first question and a follow-up whose blocks are left-padded (padding slots between the kept turns)
+    first = next(q for q in ("Where are the lamps?", "Where are the lamps, please?", "Which aisle holds the lamps?")
+                 if _left_pad([ctx._question_ids(q)])[0, 0] == -1)
+    conv.ask(first, max_new_tokens=4, stop_ids=())
+    for q in ("And the rope?", "And the rope, please?", "Which aisle holds the rope?"):
+        q_ids = ctx._question_ids(q, tuple(conv.history))
+        n = conv._turn.reusable(q_ids)
+        padded = _left_pad([q_ids[n:]])
+        if padded[0, 0] == -1:
+            break
+    assert 0 < n and padded[0, 0] == -1
+    holes = np.asarray(conv._turn.cache.pos[0])[:n] < 0
+    kept = conv._turn.kept(n, padded.shape[1] + 2, 10 ** 6)
+    pos = np.asarray(kept.pos[0])
+    assert holes.any() and pos[:n].tolist() == list(range(ctx.n_tokens, ctx.n_tokens + n)) and (pos[n:] == -1).all()
+    tokens, positions = _tokens_positions(padded, ctx.n_tokens + n)
+    kv_pos = pos.copy()
+    kv_pos[n:n + padded.shape[1]] = np.asarray(positions[0])
+    assert bool(causal_alignment(positions[0], jnp.asarray(kv_pos), True, True)[2])
+    interp = attention_state(ctx.kv.k, ctx.kv.v, ctx.index, clustered_layout=which == "squeezed")
+    logits = {}
+    for backend, new_part, state in (("reference", "causal_left_padded", ctx._state),
+                                     ("interpret", "prefix_causal_left_padded", interp),
+                                     ("interpret", "mask", interp)):
+        hook = dataclasses.replace(ctx._follow_up_hook, backend=backend, new_part=new_part)
+        lg, _, _ = forward_jit(model.graphdef, model.state, tokens, positions, jax.tree.map(jnp.copy, kept),
+                               attn_fn=hook, attn_state=state, capture_last=False, logits="all")
+        logits[new_part] = np.asarray(lg)[np.asarray(positions) >= 0]
+    assert np.isfinite(logits["prefix_causal_left_padded"]).all()
+    for new_part in ("prefix_causal_left_padded", "mask"):
+        np.testing.assert_allclose(logits[new_part], logits["causal_left_padded"], atol=1e-4, rtol=1e-4)
+
+
 def test_a_batch_of_conversations_equals_each_alone(sq_ctx):
     qs = ["Which aisle holds the rope?", "And the nails?"]
     hists = [HISTORY, None]

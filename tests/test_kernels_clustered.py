@@ -540,17 +540,26 @@ def _left_padded(x, n_pad):
   return dict(x, qp=jnp.asarray(qp, jnp.int32)), jnp.asarray(qp >= 0)
 
 
-@pytest.mark.parametrize("vote,dtype,new_part", [("kv", BF, "causal_left_padded"), ("q", jnp.float32, "causal")])
-def test_prefill_q_valid_matches_brute(rng, vote, dtype, new_part):
-  """A left-padded block (the question route): S averaged over the real tokens only; the padding
-  rows attend the fixed part alone; every selected row attended with no capacity (interpret) ==
-  float64 brute force over the real tokens' selection, and == the reference."""
+@pytest.mark.parametrize("vote,dtype,new_part,n_prefix", [("kv", BF, "causal_left_padded", 0), ("q", jnp.float32, "causal", 0),
+                                                            ("kv", BF, "prefix_causal_left_padded", 9)])
+def test_prefill_q_valid_matches_brute(rng, vote, dtype, new_part, n_prefix):
+  """A left-padded block (the question route; with n_prefix, a follow-up after that many kept tokens
+  of its conversation): S averaged over the real tokens only; the padding rows attend the fixed part
+  alone; every selected row attended with no capacity (interpret) == float64 brute force over the
+  real tokens' selection, and == the reference."""
+  from pallas_kernels.sparse_attention import causal_alignment
+
   d, seq_len, n_pad = 32, 7, 3
   scale = d ** -0.5
-  x, meta = make_case(rng, d=d, seq_len=seq_len, num_s=seq_len, dtype=dtype)
-  x = dict(x, kvp=jnp.asarray(meta["num_l"] + np.arange(seq_len), jnp.int32))   # the block's own keys
-  x = dict(x, qp=x["kvp"], kn=jnp.nan_to_num(x["kn"]), vn=jnp.nan_to_num(x["vn"]))
+  x, meta = make_case(rng, d=d, seq_len=seq_len, num_s=n_prefix + seq_len, dtype=dtype)
+  kvp = meta["num_l"] + np.arange(n_prefix + seq_len)                           # the turns, then the block's keys
+  x = dict(x, kvp=jnp.asarray(kvp, jnp.int32), qp=jnp.asarray(kvp[n_prefix:], jnp.int32),
+           kn=jnp.nan_to_num(x["kn"]), vn=jnp.nan_to_num(x["vn"]))
   x, q_valid = _left_padded(x, n_pad)
+  if new_part != "causal":   # the padding's slots are empty, as a question block leaves them: the aligned route
+    kvp[n_prefix:n_prefix + n_pad] = -1
+    x = dict(x, kvp=jnp.asarray(kvp, jnp.int32))
+    assert bool(causal_alignment(x["qp"], x["kvp"], True, n_prefix > 0)[2])
   real = dict(x, q=x["q"][:, n_pad:])
   thr = threshold_for(real, meta, scale, vote)
   _, sel_np, rows_np = brute(real, thr, scale, vote)

@@ -13,8 +13,9 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path, capsys):
   for key in ("device", "jax_version", "git_commit", "dtype", "cases", "checks", "copy_bandwidth"):
     assert key in res
   # --cpu-smoke runs every kind of check of the GPU run (hierarchical, QUEST, SAAP too).
-  assert len(res["checks"]) == 20
+  assert len(res["checks"]) == 21
   assert all(c["status"] == "PASS" for c in res["checks"])
+  assert all(c["aligned"] for c in res["checks"] if "aligned" in c) and sum("aligned" in c for c in res["checks"]) == 3
   assert {c["phase"] for c in res["cases"]} == {"decode", "prefill_16"}
   for c in res["cases"]:
     assert not c["errors"], c["errors"]

@@ -413,36 +413,55 @@ def _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, scale):
 
 
 _P = 100
-_NEW_LAYOUTS = {   # name: (q_pos, kv_pos, aligned for "causal", aligned for "causal_left_padded")
-    "own keys": (_P + np.arange(6), _P + np.arange(6), True, True),
-    "own keys, then empty slots (a cache)": (_P + np.arange(4), np.r_[_P + np.arange(4), [-1] * 5], True, True),
-    "the last 3 queries' own keys": (_P - 5 + np.arange(8), _P + np.arange(3), True, True),
-    "right padding": (np.r_[_P + np.arange(3), [-1, -1]], np.r_[_P + np.arange(3), [-1] * 3], True, True),
-    "left padding": (np.r_[[-1, -1], _P + np.arange(3)], np.r_[[-1, -1], _P + np.arange(3), [-1]], False, True),
+_NEW_LAYOUTS = {   # name: (q_pos, kv_pos, aligned for "causal", for "causal_left_padded", for "prefix_causal_left_padded")
+    "own keys": (_P + np.arange(6), _P + np.arange(6), True, True, True),
+    "own keys, then empty slots (a cache)": (_P + np.arange(4), np.r_[_P + np.arange(4), [-1] * 5], True, True, True),
+    "the last 3 queries' own keys": (_P - 5 + np.arange(8), _P + np.arange(3), True, True, True),
+    "right padding": (np.r_[_P + np.arange(3), [-1, -1]], np.r_[_P + np.arange(3), [-1] * 3], True, True, True),
+    "left padding": (np.r_[[-1, -1], _P + np.arange(3)], np.r_[[-1, -1], _P + np.arange(3), [-1]], False, True, True),
     "a left-padded question in a cache": (np.r_[[-1] * 3, _P + np.arange(4)],
-                                          np.r_[[-1] * 3, _P + np.arange(4), [-1] * 5], False, True),
-    "left padding, then a gap": (np.r_[-1, _P, _P + 1], np.r_[-1, _P, _P + 2], False, False),
-    "an earlier chunk first": (_P + np.arange(3), _P - 3 + np.arange(6), False, False),
-    "two equal positions": (np.r_[_P, _P, _P + 1], np.r_[_P, _P, _P + 1], False, False),
-    "shuffled": (_P + np.array([2, 0, 3, 1]), _P + np.array([1, 3, 0, 2]), False, False),
-    "no query sees a new key": (_P + np.arange(3), _P + 10 + np.arange(3), True, True),
+                                          np.r_[[-1] * 3, _P + np.arange(4), [-1] * 5], False, True, True),
+    "left padding, then a gap": (np.r_[-1, _P, _P + 1], np.r_[-1, _P, _P + 2], False, False, False),
+    "an earlier chunk first": (_P + np.arange(3), _P - 3 + np.arange(6), False, False, True),
+    "two equal positions": (np.r_[_P, _P, _P + 1], np.r_[_P, _P, _P + 1], False, False, False),
+    "shuffled": (_P + np.array([2, 0, 3, 1]), _P + np.array([1, 3, 0, 2]), False, False, False),
+    "no query sees a new key": (_P + np.arange(3), _P + 10 + np.arange(3), True, True, True),
+    # a conversation's follow-up: its earlier turns' slots, then its left-padded block, then empty slots
+    "a follow-up after its turns": (np.r_[[-1] * 2, _P + 5 + np.arange(4)],
+                                    np.r_[_P + np.arange(5), [-1] * 2, _P + 5 + np.arange(4), [-1] * 3],
+                                    False, False, True),
+    "a follow-up after its turns, no padding": (_P + 5 + np.arange(4), np.r_[_P + np.arange(5), _P + 5 + np.arange(4)],
+                                                False, False, True),
+    "a follow-up filling the cache": (np.r_[-1, _P + 3 + np.arange(3)], np.r_[_P + np.arange(3), -1, _P + 3 + np.arange(3)],
+                                      False, False, True),
+    "a follow-up after turns with a hole": (np.r_[-1, _P + 5 + np.arange(3)],
+                                            np.r_[_P + np.arange(2), -1, _P + 2 + np.arange(3), -1, _P + 5 + np.arange(3)],
+                                            False, False, False),
+    "a follow-up whose block is not in order": (_P + 5 + np.arange(3), np.r_[_P + np.arange(5), _P + np.array([6, 5, 7])],
+                                                False, False, False),
+    "a follow-up after a turn it must not see": (_P + 5 + np.arange(3), np.r_[_P + 9, _P + 5 + np.arange(3)],
+                                                 False, False, False),
+    "a block with no real query": (np.full(3, -1), np.r_[_P + np.arange(4), [-1] * 3], True, True, True),
 }
+_NEW_PART_ALIGNED = ("causal", "causal_left_padded", "prefix_causal_left_padded")
 
 
-@pytest.mark.parametrize("new_part", ["causal", "causal_left_padded", "mask"])
+@pytest.mark.parametrize("new_part", ["causal", "causal_left_padded", "prefix_causal_left_padded", "mask"])
 @pytest.mark.parametrize("layout", list(_NEW_LAYOUTS))
 def test_new_part_causal_mask_when_positions_allow(rng, layout, new_part):
   """`fixed_plus_new`'s new part: when every query sees exactly slots 0 .. i - (T - min(T, S)) (with
-  "causal_left_padded": that square rolled past its leading padding rows) it runs under a causal mask
-  (cuDNN skips the tiles above the diagonal), otherwise under the position mask; both calls are made
-  (the other with zero-length padding) and the device picks, so every layout is exact; "mask" makes
-  the position-mask call alone. Heads with no fixed row make the rows that see no new key see
-  nothing at all."""
+  "causal_left_padded": that square rolled past its leading padding rows; with
+  "prefix_causal_left_padded": that square after slots every real query sees) it runs under a causal
+  mask (cuDNN skips the tiles above the diagonal; the prefix by a split flash call with no mask),
+  otherwise under the position mask; both calls are made (the other with zero-length padding) and
+  the device picks, so every layout is exact; "mask" makes the position-mask call alone. Heads with
+  no fixed row make the rows that see no new key see nothing at all."""
   from pallas_kernels.sparse_attention import causal_alignment, fixed_plus_new
 
   q_pos, kv_pos = (np.asarray(x, np.int32) for x in _NEW_LAYOUTS[layout][:2])
-  for left, want in zip((False, True), _NEW_LAYOUTS[layout][2:]):
-    assert bool(causal_alignment(jnp.asarray(q_pos), jnp.asarray(kv_pos), left)[2]) == want, left
+  for mode, want in zip(_NEW_PART_ALIGNED, _NEW_LAYOUTS[layout][2:]):
+    got = causal_alignment(jnp.asarray(q_pos), jnp.asarray(kv_pos), mode != "causal", mode.startswith("prefix"))
+    assert bool(got[2]) == want, mode
   hq, hs, lk, d = 8, 4, 16, 16
   t, s_new = len(q_pos), len(kv_pos)
   q = rng.normal(size=(hq, t, d)).astype(np.float32)
@@ -452,6 +471,34 @@ def test_new_part_causal_mask_when_positions_allow(rng, layout, new_part):
   out, lse = fixed_plus_new(*(jnp.asarray(x) for x in (q, ks, vs, n, kn, vn, q_pos, kv_pos)), scale=0.3,
                             implementation="xla", return_lse=True, new_part=new_part)
   _check_fixed_plus_new(out, lse, q, ks, vs, n, kn, vn, q_pos, kv_pos, 0.3)
+
+
+@pytest.mark.parametrize("hq,hkv,t,n_prefix,pad,cap", [(8, 2, 16, 300, 5, 1024), (4, 4, 9, 0, 3, 64),
+                                                        (6, 3, 32, 1500, 0, 2048), (8, 8, 5, 61, 4, 128)])
+def test_prefix_new_part_splits_the_prefix(rng, hq, hkv, t, n_prefix, pad, cap):
+  """"prefix_causal_left_padded" on a conversation's cache (GQA; prefixes long enough to be cut into
+  splits, empty, or filling a split unevenly; a block with and without padding; the cache's empty
+  tail): the same attention as the position mask alone, and the layout counts as aligned."""
+  from pallas_kernels.sparse_attention import PREFIX_MIN_CHUNK, causal_alignment, fixed_plus_new, flash_kv_splits
+
+  d = 16
+  q_pos = np.r_[[-1] * pad, _P + n_prefix + np.arange(t - pad)].astype(np.int32)
+  kv_pos = np.full(cap, -1, np.int32)
+  kv_pos[:n_prefix] = _P + np.arange(n_prefix)
+  kv_pos[n_prefix + pad:n_prefix + t] = q_pos[pad:]
+  assert bool(causal_alignment(jnp.asarray(q_pos), jnp.asarray(kv_pos), True, True)[2])
+  if n_prefix > 1000:
+    assert flash_kv_splits(hkv, hq // hkv * t, cap, min_chunk=PREFIX_MIN_CHUNK) > 1
+  q = rng.normal(size=(hq, t, d)).astype(np.float32)
+  kn, vn = rng.normal(size=(2, hkv, cap, d)).astype(np.float32)
+  ks = vs = np.zeros((hkv, 0, 1, d), np.float32)
+  args = [jnp.asarray(x) for x in (q, ks, vs, np.zeros(hkv, np.int32), kn, vn, q_pos, kv_pos)]
+  got = fixed_plus_new(*args, scale=0.25, implementation="xla", return_lse=True, new_part="prefix_causal_left_padded")
+  want = fixed_plus_new(*args, scale=0.25, implementation="xla", return_lse=True, new_part="mask")
+  real = q_pos >= 0
+  np.testing.assert_allclose(np.asarray(got[0])[:, real], np.asarray(want[0])[:, real], rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(got[1])[:, real], np.asarray(want[1])[:, real], rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(np.asarray(got[0])[:, ~real], 0.0)
 
 
 def test_new_part_mode_error():
