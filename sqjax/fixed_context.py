@@ -647,7 +647,7 @@ class FixedContext:
 
         t0 = time.perf_counter()
         if n_reused:
-            # a follow-up: the earlier turns' K/V, with the later slots emptied (or compacted and grown)
+            # a follow-up: the earlier turns' K/V in slots 0 .. n_reused - 1, the later slots emptied
             cache = turn.kept(n_reused, padded_len + max_new_tokens,
                               self.model.config.max_position_embeddings - self.n_tokens + _BUCKET)
             logits, cache, caps = self._run(padded, self.n_tokens + n_reused, cache, capture=None, logits="last",
@@ -722,9 +722,15 @@ class FixedContext:
             answers.append(Answer(tok_dec.decode(out[b]), out[b], stats))
         if n_rows > 1:
             return answers, None
-        # the cache holds the prompt and the answer's tokens fed back (all, or all but the last)
-        return answers, _TurnCache(cache, np.concatenate([q_ids[0], np.asarray(out[0][:n_fed], np.int32)]),
-                                   self.n_tokens)
+        # the cache holds the prompt and the answer's tokens fed back (all, or all but the last): before
+        # them n_reused kept tokens, then the block (its padding at position -1), then the steps' tokens
+        ids = np.concatenate([q_ids[0], np.asarray(out[0][:n_fed], np.int32)])
+        slot_pos = np.full(cache.capacity, -1, np.int32)
+        slot_pos[:n_reused] = self.n_tokens + np.arange(n_reused)
+        block = np.asarray(_tokens_positions(padded, self.n_tokens + n_reused)[1][0])
+        slot_pos[n_reused:n_reused + padded_len] = block
+        slot_pos[n_reused + padded_len:n_reused + padded_len + n_fed] = self.n_tokens + len(q_ids[0]) + np.arange(n_fed)
+        return answers, _TurnCache(cache, ids, self.n_tokens, slot_pos)
 
     def _stats(self, prefill_sel, step_sel, n_prompt, n_new, ttft, step_times) -> AnswerStats:
         cfg = self.model.config
@@ -885,11 +891,13 @@ class Conversation:
 class _TurnCache:
     """A conversation's K/V after its last answer: `cache` (one row) holds the tokens `ids` [n]
     after the document (the last prompt, then the answer's tokens fed back), at positions
-    n_doc + 0 .. n - 1, in slot order (question blocks may leave padding slots between them)."""
+    n_doc + 0 .. n - 1, in slot order; `slot_pos` [capacity] is the host's copy of the cache's
+    positions (-1 = empty: the question block's padding slots, the unused ones)."""
 
-    cache: Any          # models.kv_cache.KVCache, batch 1
-    ids: np.ndarray     # int32 [n]
-    n_doc: int          # the document's tokens (the first position after it)
+    cache: Any           # models.kv_cache.KVCache, batch 1
+    ids: np.ndarray      # int32 [n]
+    n_doc: int           # the document's tokens (the first position after it)
+    slot_pos: np.ndarray  # int32 [capacity]
 
     def reusable(self, q_ids: np.ndarray) -> int:
         """How many leading tokens of a new prompt q_ids [m] have their K/V here: the common
@@ -902,8 +910,9 @@ class _TurnCache:
         """The cache with the K/V of ids[:n] in slots 0 .. n-1 (the rest empty) and room for `extra`
         more slots.
 
-        In place when it has the room: the later slots are emptied (positions -1), and when question
-        blocks left padding slots between the kept tokens they are compacted first, so that a
+        In place when it has the room: a question block's padding slots between the kept tokens
+        are closed up by moving the tokens after the first of them (`_move_slots`, a window of
+        about the last turn's size), and the later slots are emptied (positions -1), so that a
         follow-up's block attends its turns as one prefix (`SparseAttentionHook.new_part`,
         "prefix_causal_left_padded"). The buffers stay those of the whole conversation. They are
         donated on through this, the prefill and the steps, and XLA's command buffers find them at
@@ -911,42 +920,62 @@ class _TurnCache:
         31.0 ms to its first token on an H200, benchmarks/results/gpu_h200_follow_up/).
         Otherwise a new cache, compacted, with twice the capacity (fewer compilations and moves) or
         as much as fits `room` (the most a conversation can use), at least n + extra. Either way
-        `cache` is not to be used again."""
-        pos = np.asarray(self.cache.pos)[0]
+        `cache` is not to be used again. The slots come from `slot_pos`: no read from the device."""
+        pos = self.slot_pos
         src = np.flatnonzero((pos >= self.n_doc) & (pos < self.n_doc + n))        # slots in order
         if not np.array_equal(pos[src], self.n_doc + np.arange(n)):
             raise AssertionError(f"a conversation's cache lost track of its tokens: positions {pos[src][:8]}...")
         capacity = self.cache.capacity
-        if n + extra <= capacity and src[-1] == n - 1:                             # no padding slot between
-            return _keep_slots_before(self.cache, jnp.int32(n))
         if n + extra > capacity:
-            capacity = _capacity(max(n + extra, min(2 * capacity, room)))
-        slots = np.zeros(capacity, np.int32)
-        slots[:n] = src
-        move = _compact_cache_in_place if capacity == self.cache.capacity else _compact_cache
-        return move(self.cache, jnp.asarray(slots), jnp.int32(n))
+            slots = np.zeros(_capacity(max(n + extra, min(2 * capacity, room))), np.int32)
+            slots[:n] = src
+            return _compact_cache(self.cache, jnp.asarray(slots), jnp.int32(n))
+        moved = np.flatnonzero(src != np.arange(n))
+        if not moved.size:                                                         # no padding slot between
+            return _keep_slots_before(self.cache, jnp.int32(n))
+        width = min(capacity, max(64, 1 << int(n - moved[0] - 1).bit_length()))   # a power of two: few compilations
+        start = min(int(moved[0]), capacity - width)
+        window = start + np.arange(width, dtype=np.int32)                          # slot i <- slot src[i] below n
+        window[window < n] = src[window[window < n]]
+        return _move_slots(self.cache, jnp.int32(start), jnp.asarray(window), jnp.int32(n))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _keep_slots_before(cache, end):
-    """cache (donated: every buffer comes back at its address, positions and length included) with
-    its slots from `end` on emptied (position -1) and the next write at slot `end`."""
+def _emptied_from(cache, end):
+    """cache with its slots from `end` on emptied (position -1) and the next write at slot `end`."""
     slots = jnp.arange(cache.pos.shape[1], dtype=jnp.int32)[None]
     return cache.replace(pos=jnp.where(slots < end, cache.pos, -1), length=jnp.full_like(cache.length, end))
 
 
-def _compacted(cache, slots, n):
+# donated: every buffer comes back at its address, positions and length included
+_keep_slots_before = jax.jit(_emptied_from, donate_argnums=0)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _move_slots(cache, start, window, end):
+    """cache (one row, donated: its buffers come back at their addresses) with slot start + i set
+    to slot window[i] for each i < len(window) (K, V and position), then its slots from `end` on
+    emptied and the next write at slot `end`."""
+    # the window's rows read into their own buffers first (a barrier: fused into the update, the read
+    # of the buffer being written made XLA copy all of it, to a new address)
+    rows = jax.lax.optimization_barrier([jnp.take(x, window, axis=2) for x in cache.k + cache.v]
+                                        + [jnp.take(cache.pos, window, axis=1)])
+    put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, start, axis=x.ndim - 2 if x.ndim > 2 else 1)  # noqa: E731
+    n_layers = len(cache.k)
+    cache = cache.replace(k=tuple(map(put, cache.k, rows[:n_layers])), v=tuple(map(put, cache.v, rows[n_layers:-1])),
+                          pos=put(cache.pos, rows[-1]))
+    return _emptied_from(cache, end)
+
+
+@jax.jit
+def _compact_cache(cache, slots, n):
     """cache (one row) -> a cache of len(slots) slots whose slot i < n is cache's slot slots[i];
-    the rest are empty (position -1), and the next write goes to slot n."""
+    the rest are empty (position -1), and the next write goes to slot n. A new cache: `cache` stays
+    valid (the steps donate theirs)."""
     keep = jnp.arange(slots.shape[0]) < n                                         # [S']
     take = lambda x: jnp.take(x, slots, axis=2)                                   # [1, Hkv, S', d]  # noqa: E731
     pos = jnp.where(keep, jnp.take(cache.pos[0], slots), -1)[None]
     return cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), pos=pos.astype(jnp.int32),
                          length=jnp.reshape(n, (1,)).astype(jnp.int32))
-
-
-_compact_cache = jax.jit(_compacted)     # a new cache: `cache` stays valid (the steps donate theirs)
-_compact_cache_in_place = jax.jit(_compacted, donate_argnums=0)   # len(slots) = the capacity: same buffers
 
 
 def _inv_freq(config) -> np.ndarray:

@@ -230,28 +230,54 @@ def test_compact_cache_keeps_the_chosen_slots():
     assert np.asarray(cache.pos).tolist() == np.asarray(pos).tolist()   # the old cache stays valid
 
 
-def test_compact_cache_in_place_keeps_the_buffers():
-    """`_compact_cache_in_place` (a follow-up whose kept turns have padding slots between them, with
-    room in the cache): the same slots as `_compact_cache`, in the donated cache's own buffers."""
+@pytest.mark.parametrize("n_pad,room", [(2, 16), (2, 8), (0, 16), (5, 16)])
+def test_kept_closes_the_padding_between_turns_in_place(n_pad, room):
+    """`_TurnCache.kept` with room in the cache: the kept tokens end in slots 0 .. n-1 (the padding
+    slots a question block left between them closed up by moving the tokens after the first, in a
+    window that may have to start before it at the end of the cache), the rest empty, the next
+    write at slot n, in the donated cache's own buffers; without room, a compacted cache of twice
+    the capacity and the old one untouched."""
     from models.kv_cache import KVCache
-    from sqjax.fixed_context import _compact_cache, _compact_cache_in_place
+    from sqjax.fixed_context import _TurnCache
 
-    rng = np.random.default_rng(1)
-    pos = jnp.asarray([[-1, -1, 7, 8, 9, -1, 10, 11, -1, -1, -1, -1]], jnp.int32)
+    rng = np.random.default_rng(n_pad)
+    cap, n_doc = 96 if room == 16 else 64, 1000
+    pos = np.full(cap, -1, np.int32)            # turns: 30 tokens (3 padding slots first), 20 more after n_pad
+    pos[3:33] = n_doc + np.arange(30)
+    pos[33 + n_pad:53 + n_pad] = n_doc + 30 + np.arange(20)
+    old_k = [rng.normal(size=(1, 2, cap, 4)).astype(np.float32) for _ in range(4)]   # host copies: a
+    k = [jnp.array(x) for x in old_k]                                  # numpy view of a buffer blocks its donation
+    cache = KVCache(k=tuple(k[:2]), v=tuple(k[2:]), pos=jnp.asarray(pos[None]),
+                    length=jnp.asarray([53 + n_pad], jnp.int32))
+    ptrs = [x.unsafe_buffer_pointer() for x in cache.k + cache.v]
+    turn = _TurnCache(cache, np.arange(50, dtype=np.int32), n_doc, pos)
+    n = 45
+    extra = cap - n if room == 16 else cap      # room: 16 -> fits in place; 8 -> the cache grows
+    got = turn.kept(n, extra, 10 ** 6)
+    src = np.flatnonzero(pos >= 0)[:n]
+    assert np.asarray(got.pos[0])[:n].tolist() == (n_doc + np.arange(n)).tolist()
+    assert (np.asarray(got.pos[0])[n:] == -1).all() and int(got.length[0]) == n
+    for new, old in zip(got.k + got.v, old_k, strict=True):
+        np.testing.assert_array_equal(np.asarray(new)[:, :, :n], old[:, :, src])
+    if room == 16:
+        assert got.capacity == cap and [x.unsafe_buffer_pointer() for x in got.k + got.v] == ptrs
+        assert cache.k[0].is_deleted()
+    else:
+        assert got.capacity == 2 * cap and not cache.k[0].is_deleted()
 
-    def cache():
-        k = tuple(jnp.asarray(rng.normal(size=(1, 2, 12, 4)), jnp.float32) for _ in range(2))
-        return KVCache(k=k, v=tuple(x + 1 for x in k), pos=pos, length=jnp.asarray([8], jnp.int32))
 
-    c = cache()
-    slots = jnp.asarray(np.r_[[2, 3, 4, 6, 7], np.zeros(7, int)].astype(np.int32))
-    want = _compact_cache(c, slots, jnp.int32(5))
-    ptrs = [x.unsafe_buffer_pointer() for x in c.k + c.v]
-    got = _compact_cache_in_place(c, slots, jnp.int32(5))
-    assert [x.unsafe_buffer_pointer() for x in got.k + got.v] == ptrs and c.k[0].is_deleted()
-    assert np.asarray(got.pos[0]).tolist() == [7, 8, 9, 10, 11] + [-1] * 7 and int(got.length[0]) == 5
-    for a, b in zip(got.k + got.v, want.k + want.v, strict=True):
-        np.testing.assert_array_equal(np.asarray(a[:, :, :5]), np.asarray(b[:, :, :5]))
+def test_the_host_copy_of_the_slots_follows_the_cache(full_ctx, sq_ctx):
+    """`_TurnCache.slot_pos`, which `kept` reads instead of the device's positions, equals them
+    after each turn (fresh, in place with and without padding to close, grown, after `undo`)."""
+    for ctx in (full_ctx, sq_ctx):
+        conv = ctx.conversation()
+        for i, q in enumerate(["Where are the lamps?", "And the cables, please?", "And the rope?",
+                               "Which aisle holds the glue?", "And the tape?"]):
+            conv.ask(q, max_new_tokens=3 + 9 * (i == 3), stop_ids=())
+            if i == 2:
+                conv.undo()
+            turn = conv._turn
+            assert turn.slot_pos.tolist() == np.asarray(turn.cache.pos[0]).tolist(), i
 
 
 @pytest.mark.parametrize("which", ["full", "squeezed"])
