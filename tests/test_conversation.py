@@ -330,6 +330,22 @@ def test_follow_up_block_attends_its_turns_as_one_prefix(model, full_ctx, which)
     assert np.isfinite(logits["prefix_causal_left_padded"]).all()
     for new_part in ("prefix_causal_left_padded", "mask"):
         np.testing.assert_allclose(logits[new_part], logits["causal_left_padded"], atol=1e-4, rtol=1e-4)
+    # the float32 model's blocks take the in-kernel routes; in bf16 the flash route's new part runs
+    # `_new_part` itself: on this layout, by the prefix route, the plain-jnp reference's attention
+    from pallas_kernels import dense_prefill_attention
+    from pallas_kernels.dense_attention import dense_attention_reference
+
+    rng = np.random.default_rng(0)
+    cfg = model.config
+    bf = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)   # noqa: E731
+    args = (bf(cfg.num_heads, padded.shape[1], cfg.head_dim), bf(cfg.num_kv_heads, 8, cfg.head_dim),
+            bf(cfg.num_kv_heads, 8, cfg.head_dim), bf(cfg.num_kv_heads, len(kv_pos), cfg.head_dim),
+            bf(cfg.num_kv_heads, len(kv_pos), cfg.head_dim), positions[0], jnp.asarray(kv_pos))
+    real = np.asarray(positions[0]) >= 0
+    want = np.asarray(dense_attention_reference(*args, scale=0.25), np.float32)[:, real]
+    got = np.asarray(dense_prefill_attention(*args, scale=0.25, backend="interpret",
+                                             new_part="prefix_causal_left_padded"), np.float32)[:, real]
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
 def test_a_batch_of_conversations_equals_each_alone(sq_ctx):
