@@ -54,7 +54,7 @@ for w in "$@"; do
   mkdir -p "$OUT/$w"
   case $w in
     checks)
-      timeout 240 ${PY:-python} -m benchmarks.gpu_kernels ${SMOKE:+--cpu-smoke} --checks-only --out "$OUT/$w" > "$OUT/$w/log.txt" 2>&1
+      timeout 330 ${PY:-python} -m benchmarks.gpu_kernels ${SMOKE:+--cpu-smoke} --checks-only --out "$OUT/$w" > "$OUT/$w/log.txt" 2>&1
       echo "checks rc $? ($SECONDS s): $(grep -c '| PASS' "$OUT/$w/gpu_kernels.md") PASS"
       grep -E "\| (FAIL|ERROR)" "$OUT/$w/gpu_kernels.md" ;;
     decode512)  speed $w 330 --only-kernels --phases decode --lengths 524288 --shapes 32x8 $HIER ;;
