@@ -75,9 +75,10 @@ class _Stages:
         fc._TurnCache.kept, fc.FixedContext._run, fc.FixedContext._run_new_cache, fc._first_token = self.saved
 
 
-def _series(call, n_warm: int = _N_WARM, n_timed: int = _N_TIMED, start: int = 0) -> dict:
-    ts = [1e3 * call(start + i) for i in range(n_warm + n_timed)]
-    return {"median_ms": float(np.median(ts[n_warm:])), "calls_ms": ts}
+def _series(call) -> dict:
+    """call(i) -> seconds, _N_WARM + _N_TIMED times: {median_ms of the timed calls, calls_ms: all}."""
+    ts = [1e3 * call(i) for i in range(_N_WARM + _N_TIMED)]
+    return {"median_ms": float(np.median(ts[_N_WARM:])), "calls_ms": ts}
 
 
 def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=(), question_tokens=(),

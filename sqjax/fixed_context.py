@@ -955,14 +955,14 @@ def _move_slots(cache, start, window, end):
     """cache (one row, donated: its buffers come back at their addresses) with slot start + i set
     to slot window[i] for each i < len(window) (K, V and position), then its slots from `end` on
     emptied and the next write at slot `end`."""
-    # the window's rows read into their own buffers first (a barrier: fused into the update, the read
-    # of the buffer being written made XLA copy all of it, to a new address)
-    rows = jax.lax.optimization_barrier([jnp.take(x, window, axis=2) for x in cache.k + cache.v]
-                                        + [jnp.take(cache.pos, window, axis=1)])
-    put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, start, axis=x.ndim - 2 if x.ndim > 2 else 1)  # noqa: E731
+    # the window's rows read into buffers of their own first (a barrier), so that each update can be
+    # written in place: a gather fused into it would read the buffer it writes
     n_layers = len(cache.k)
-    cache = cache.replace(k=tuple(map(put, cache.k, rows[:n_layers])), v=tuple(map(put, cache.v, rows[n_layers:-1])),
-                          pos=put(cache.pos, rows[-1]))
+    arrays = [*cache.k, *cache.v, cache.pos]                                      # [1, Hkv, S, d] ..., [1, S]
+    axes = [2] * (2 * n_layers) + [1]                                             # their slot axes
+    rows = jax.lax.optimization_barrier([jnp.take(x, window, axis=a) for x, a in zip(arrays, axes)])
+    moved = [jax.lax.dynamic_update_slice_in_dim(x, r, start, axis=a) for x, r, a in zip(arrays, rows, axes)]
+    cache = cache.replace(k=tuple(moved[:n_layers]), v=tuple(moved[n_layers:-1]), pos=moved[-1])
     return _emptied_from(cache, end)
 
 

@@ -397,3 +397,25 @@ def test_byte_tokenizer_reads_its_answers_back():
     assert tok.encode(text) == ids
     assert tok.encode("ab é") == [3 + b for b in "ab é".encode()]
     assert tok.encode(tok.decode([5]) + "?") == [5, 3 + ord("?")]
+
+
+def test_follow_up_probe_cpu_smoke(tmp_path, monkeypatch):
+    """`benchmarks.follow_up_probe --ab-routes` on the CPU plan: for both methods, every series' median
+    is its timed calls' median, the follow-ups reuse the first turn, and the two routes of the
+    follow-up's new part, one computation off the GPU, give the same tokens in every follow-up."""
+    from benchmarks import follow_up_probe as fp
+
+    monkeypatch.setattr(fp, "_N_WARM", 1)
+    monkeypatch.setattr(fp, "_N_TIMED", 2)
+    monkeypatch.setattr(sys, "argv", ["follow_up_probe", "--cpu-smoke", "--out", str(tmp_path), "--skip",
+                                      "offline,kernels", "--e2e-ask-only", "--e2e-batches", "0",
+                                      "--e2e-question-tokens", "0", "--probe-turn", "96", "--ab-routes"])
+    assert fp.main() == 0
+    rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    for name in ("squeezed", "full"):
+        r = rows[name]
+        assert r["routes_agree"] == [True] * 4, name
+        assert all(0 < n < r["n_prompt_kept"] for n in r["n_reused"])
+        for label in ("lone", "kept_masked", "kept_prefix", "kept_masked_2", "kept_prefix_2", "lone_2"):
+            assert len(r[label]["calls_ms"]) == 3 and r[label]["median_ms"] == float(np.median(r[label]["calls_ms"][1:]))
+        assert set(r["stages_kept_synced"]["median_ms_since_start"]) == {"ttft_ms", "kept", "prefill", "first_token"}
