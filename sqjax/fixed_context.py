@@ -485,17 +485,21 @@ class FixedContext:
         part. Returns one Selection per layer whose kv_rows and meta_rows are [Hs, n_valid * T']
         (one column per lookup token: T' = 1 for a block-level selection).
         """
-        rows, meta, over = _lookup_stats_jit(self.method, self._accounted_index(), self._state["k"], q, q_pre, q_valid)
+        # one transfer of every layer's arrays, sliced on the host: sliced on the device and read layer by
+        # layer, an answer's two calls took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device
+        # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
+        rows, meta, over = jax.device_get(_lookup_stats_jit(self.method, self._accounted_index(), self._state["k"], q,
+                                                            q_pre, q_valid))
         # per-token methods have a column per query token (Ts = T): padding tokens' lookups do not count
         keep = None if q_valid is None else np.asarray(q_valid, bool)
         out = []
         for layer in range(len(rows)):
-            r = np.asarray(rows[layer][:n_valid])  # [n, Hs, Ts]
-            m = np.asarray(meta[layer][:n_valid])
+            r = rows[layer][:n_valid]  # [n, Hs, Ts]
+            m = meta[layer][:n_valid]
             if keep is not None and r.shape[-1] == keep.shape[0] > 1:
                 r, m = r[..., keep], (m[..., keep] if m.shape[-1] == keep.shape[0] else m)
             out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
-                                 np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), np.asarray(over[layer][:n_valid]).any(0)))
+                                 np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), over[layer][:n_valid].any(0)))
         return out
 
     def _accounted_index(self):
@@ -659,9 +663,6 @@ class FixedContext:
                              greedy=temperature == 0.0, use_top_p=top_p < 1.0)    # int32 [B]
         nxt = np.asarray(first)
         ttft = time.perf_counter() - t0
-        stack = lambda key, b: jnp.stack([jnp.swapaxes(c[key][b], 0, 1) for c in caps])  # [layers, Hq, T, d]  # noqa: E731
-        prefill_sel = [self._lookup_stats(stack("q", b)[:, None], stack("q_pre", b)[:, None], 1,
-                                          jnp.asarray(padded[b] >= 0)) for b in range(n_rows)]
         out: list[list[int]] = [[] for _ in range(n_rows)]
         done = np.zeros(n_rows, bool)
         step_times = []
@@ -712,6 +713,10 @@ class FixedContext:
             if done.all() or nxt_ahead is None:
                 break
             nxt_dev = nxt_ahead
+        # the accounting's lookups, after the loop: before it, their reads held the decode steps back
+        q_caps, q_pre_caps = _stacked_queries(caps)                               # [B, layers, Hq, T, d] each
+        prefill_sel = [self._lookup_stats(q_caps[b][:, None], q_pre_caps[b][:, None], 1, jnp.asarray(padded[b] >= 0))
+                       for b in range(n_rows)]
         answers = []
         for b in range(n_rows):
             # the steps that fed this row's tokens 0 .. n - 2 (the last token's step, if any, is not the answer's)
@@ -1032,6 +1037,13 @@ def _stack_row0(layers):
     """Per-layer cache arrays [1, Hkv, S, d] -> [layers, Hkv, S, d] in one program (eagerly, stacking
     [layers, 1, ...] and then slicing row 0 held three copies of the document's K/V at once)."""
     return jnp.stack([x[0] for x in layers])
+
+
+@jax.jit
+def _stacked_queries(caps):
+    """A prefill's captured queries, per layer {"q", "q_pre": [B, T, Hq, d]} -> (q, q_pre), each
+    [B, layers, Hq, T, d], in one program (not a few small dispatches per layer and row)."""
+    return tuple(jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps], axis=1) for name in ("q", "q_pre"))
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
