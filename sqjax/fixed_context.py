@@ -732,8 +732,7 @@ class FixedContext:
         ids = np.concatenate([q_ids[0], np.asarray(out[0][:n_fed], np.int32)])
         slot_pos = np.full(cache.capacity, -1, np.int32)
         slot_pos[:n_reused] = self.n_tokens + np.arange(n_reused)
-        block = np.asarray(_tokens_positions(padded, self.n_tokens + n_reused)[1][0])
-        slot_pos[n_reused:n_reused + padded_len] = block
+        slot_pos[n_reused:n_reused + padded_len] = _host_tokens_positions(padded, self.n_tokens + n_reused)[1][0]
         slot_pos[n_reused + padded_len:n_reused + padded_len + n_fed] = self.n_tokens + len(q_ids[0]) + np.arange(n_fed)
         return answers, _TurnCache(cache, ids, self.n_tokens, slot_pos)
 
@@ -1107,13 +1106,19 @@ def _first_token(logits, key, temperature, top_p, *, greedy: bool, use_top_p: bo
                          use_top_p=use_top_p)
 
 
-def _tokens_positions(ids: np.ndarray, start_pos: int) -> tuple[jax.Array, jax.Array]:
-    """ids [n] or [B, n] (−1 = left padding) -> (tokens, positions) int32 [B, n] (B = 1 for [n]):
-    padding is token 0 at position −1, each row's real ids take positions start_pos, start_pos + 1, ..."""
+def _host_tokens_positions(ids: np.ndarray, start_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids [n] or [B, n] (−1 = left padding) -> (tokens, positions) int32 [B, n] (B = 1 for [n]) on the
+    host: padding is token 0 at position −1, each row's real ids take positions start_pos, start_pos + 1, ..."""
     ids = np.asarray(ids, np.int32)
     ids = ids[None] if ids.ndim == 1 else ids
     pos = np.where(ids >= 0, start_pos + np.cumsum(ids >= 0, axis=1) - 1, -1).astype(np.int32)
     tokens = np.where(ids >= 0, ids, 0).astype(np.int32)
+    return tokens, pos
+
+
+def _tokens_positions(ids: np.ndarray, start_pos: int) -> tuple[jax.Array, jax.Array]:
+    """`_host_tokens_positions` as device arrays."""
+    tokens, pos = _host_tokens_positions(ids, start_pos)
     return jnp.asarray(tokens), jnp.asarray(pos)
 
 
