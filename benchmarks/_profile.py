@@ -156,6 +156,23 @@ def host_and_device_activity(run: Callable[[], object], *, top: int = 20) -> dic
         return {"device": _device_planes(data, top, "/device:"), "host": _host_lines(data, top)}
 
 
+def activity_lines(activity: dict, head: str, *, gaps: int = 4, kernels: int = 0, hosts: int = 4) -> list[str]:
+    """Log lines for a `host_and_device_activity` result, each starting with ``head``: the first device's
+    busy time, span, kernel count and longest ``gaps``; its ``kernels`` largest kernels (none: 0); the
+    ``hosts`` host threads with the longest span and their largest events."""
+    dev = next(iter(activity["device"].values()), {})
+    lines = [f"{head}: device busy {dev.get('busy_ms', 0):.2f} ms, span {dev.get('span_ms', 0):.2f} ms, "
+             f"{dev.get('n_kernels', 0)} kernels; gaps "
+             + ", ".join(f"{g['ms']:.2f} ms before {g['before'][:50]}" for g in dev.get("gaps", [])[:gaps])]
+    if kernels:
+        lines.append(f"{head}: largest kernels " + "; ".join(
+            f"{k['name'][:60]} {k['total_ms']:.3f} ms x{k['count']}" for k in dev.get("by_name", [])[:kernels]))
+    for line, h in sorted(activity["host"].items(), key=lambda kv: -kv[1]["span_ms"])[:hosts]:
+        lines.append(f"{head}:   host {line}: {h['n_events']} events, span {h['span_ms']:.2f} ms; "
+                     + "; ".join(f"{x['name'][:50]} {x['total_ms']:.2f} ms x{x['count']}" for x in h["by_name"][:10]))
+    return lines
+
+
 def trace_calls(call: Callable, sets: list, *, n: int, top: int = 12) -> dict:
     """Kernel time per call on every device, from a trace of n back-to-back ``call(*sets[i])``:
     {plane: {busy_ms_per_call, span_ms_per_call (first kernel's start to last kernel's end / n),

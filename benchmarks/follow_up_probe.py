@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks import speed
 from benchmarks._meta import metadata
-from benchmarks._profile import host_and_device_activity
+from benchmarks._profile import activity_lines, host_and_device_activity
 from benchmarks.ttft_probe import NO_CMDBUF_PREFILL
 
 RESULTS: dict = {}
@@ -189,15 +189,9 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=(), q
                 call(0)
                 tr = host_and_device_activity(lambda: call(0), top=40)
                 r[f"trace_{label}"] = tr
-                dev = next(iter(tr["device"].values()), {})
-                log(f"[follow-up probe] {name}: trace {label}: device busy {dev.get('busy_ms', 0):.2f} ms, span "
-                    f"{dev.get('span_ms', 0):.2f} ms, {dev.get('n_kernels', 0)} kernels; gaps "
-                    + ", ".join(f"{g['ms']:.2f} ms before {g['before'][:50]}" for g in dev.get("gaps", [])[:6]))
-                log(f"[follow-up probe] {name}: trace {label}: largest kernels "
-                    + "; ".join(f"{k['name'][:60]} {k['total_ms']:.3f} ms x{k['count']}" for k in dev.get("by_name", [])[:12]))
-                for line, h in sorted(tr["host"].items(), key=lambda kv: -kv[1]["span_ms"])[:3]:
-                    log(f"[follow-up probe]   host {line}: {h['n_events']} events, span {h['span_ms']:.2f} ms; "
-                        + "; ".join(f"{x['name'][:50]} {x['total_ms']:.2f} ms x{x['count']}" for x in h["by_name"][:10]))
+                for line in activity_lines(tr, f"[follow-up probe] {name}: trace {label}", gaps=6, kernels=12,
+                                           hosts=3):
+                    log(line)
             except Exception as e:  # noqa: BLE001
                 r[f"trace_{label}"] = {"error": repr(e)[:500]}
                 log(f"[follow-up probe] {name}: trace {label} failed: {e!r}"[:500])

@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks import speed
 from benchmarks._meta import metadata
-from benchmarks._profile import host_and_device_activity
+from benchmarks._profile import activity_lines, host_and_device_activity
 
 RESULTS: dict = {}
 _NO_CMDBUF = {"xla_gpu_enable_command_buffer": ""}   # jax.jit compiler_options, per executable
@@ -166,13 +166,8 @@ def probe_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -
             try:
                 tr = host_and_device_activity(f, top=60)
                 r[f"trace_{label}"] = tr
-                dev = next(iter(tr["device"].values()), {})
-                log(f"[probe] {name}: trace {label}: device busy {dev.get('busy_ms', 0):.2f} ms, span "
-                    f"{dev.get('span_ms', 0):.2f} ms, {dev.get('n_kernels', 0)} kernels; gaps "
-                    + ", ".join(f"{g['ms']:.2f} ms before {g['before'][:40]}" for g in dev.get("gaps", [])[:4]))
-                for line, h in sorted(tr["host"].items(), key=lambda kv: -kv[1]["span_ms"])[:4]:
-                    log(f"[probe]   host {line}: {h['n_events']} events, span {h['span_ms']:.2f} ms; "
-                        + "; ".join(f"{x['name'][:50]} {x['total_ms']:.2f} ms x{x['count']}" for x in h["by_name"][:10]))
+                for line in activity_lines(tr, f"[probe] {name}: trace {label}"):
+                    log(line)
             except Exception as e:  # noqa: BLE001
                 r[f"trace_{label}"] = {"error": repr(e)[:500]}
                 log(f"[probe] {name}: trace {label} failed: {e!r}"[:400])

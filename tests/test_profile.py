@@ -38,3 +38,20 @@ def test_device_activity_reads_a_real_trace():
     act = next(iter(planes.values()))
     assert act["n_kernels"] > 0 and 0 < act["busy_ms"] <= act["span_ms"]
     assert device_activity(lambda: f(x).block_until_ready()) == {}  # no device plane on CPU
+
+
+def test_activity_lines_name_the_device_the_kernels_and_the_longest_host_threads():
+    """`activity_lines`: the device's busy time, span and gaps; the largest kernels only when asked;
+    the host threads longest first, as many as asked."""
+    from benchmarks._profile import activity_lines, summarize
+
+    dev = summarize([("s", "k1", 0, 3_000_000, None), ("s", "k2", 5_000_000, 6_000_000, None)])
+    host = {f"/host:CPU | t{i}": {"n_events": 1, "span_ms": float(i), "by_name": [{"name": f"e{i}", "count": 1,
+                                                                                  "total_ms": float(i)}]}
+            for i in range(3)}
+    lines = activity_lines({"device": {"/device:GPU:0": dev}, "host": host}, "head", kernels=1, hosts=2)
+    assert lines[0] == "head: device busy 4.00 ms, span 6.00 ms, 2 kernels; gaps 2.00 ms before k2"
+    assert lines[1] == "head: largest kernels k1 3.000 ms x1"
+    assert len(lines) == 4 and lines[2].startswith("head:   host /host:CPU | t2: 1 events, span 2.00 ms; e2")
+    assert lines[3].startswith("head:   host /host:CPU | t1:")
+    assert len(activity_lines({"device": {}, "host": {}}, "x")) == 1
