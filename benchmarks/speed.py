@@ -811,24 +811,49 @@ def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
 _ASK_TIMED_CALLS = 5   # `ask` calls timed after the first (which compiles; the next builds its CUDA graph); rows take medians
 
 
+def _timed_asks(call, n: int) -> list[tuple]:
+    """call() n times -> [(its result, whole call s, s of it in the answer's accounting)]: the time in
+    `FixedContext._lookup_counts` (the lookups re-run for the KV-budget stats after the last token,
+    read back in one transfer)."""
+    from sqjax.fixed_context import FixedContext
+
+    counts, spent = FixedContext._lookup_counts, []
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return counts(self, *a, **k)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    out = []
+    FixedContext._lookup_counts = timed
+    try:
+        for _ in range(n):
+            spent.clear()
+            t0 = time.perf_counter()
+            res = call()
+            out.append((res, time.perf_counter() - t0, sum(spent)))
+    finally:
+        FixedContext._lookup_counts = counts
+    return out
+
+
 def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
     """`FixedContext.ask_many` with `n_rows` questions (the question with a different number appended
     to each): the step time (each call's median step), time to first token and the whole call, each
     the median over `_ASK_TIMED_CALLS` calls after the first (which compiles); tokens/s counts every
     row's tokens (n_rows per step)."""
     questions = [f"{question} ({i + 1})" for i in range(n_rows)]
-    calls = []
-    for _ in range(1 + _ASK_TIMED_CALLS):
-        t0 = time.perf_counter()
-        answers = ctx.ask_many(questions, max_new_tokens=n_new)
-        calls.append((answers[0].stats, time.perf_counter() - t0, [a.stats.kv_budget for a in answers]))
+    calls = _timed_asks(lambda: ctx.ask_many(questions, max_new_tokens=n_new), 1 + _ASK_TIMED_CALLS)
     timed = calls[1:]
-    step = [c.time_per_output_token_s for c, _, _ in timed]
-    return {"rows": n_rows, "n_new_tokens": timed[-1][0].n_new_tokens, "ms_per_step": 1e3 * float(np.median(step)),
-            "tokens_per_s": n_rows / float(np.median(step)),
-            "ttft_s": float(np.median([c.time_to_first_token_s for c, _, _ in timed])),
-            "ask_many_s": float(np.median([w for _, w, _ in timed])), "kv_budget_rows": timed[-1][2],
-            "first_call_s": calls[0][1],
+    step = [a[0].stats.time_per_output_token_s for a, _, _ in timed]
+    return {"rows": n_rows, "n_new_tokens": timed[-1][0][0].stats.n_new_tokens,
+            "ms_per_step": 1e3 * float(np.median(step)), "tokens_per_s": n_rows / float(np.median(step)),
+            "ttft_s": float(np.median([a[0].stats.time_to_first_token_s for a, _, _ in timed])),
+            "ask_many_s": float(np.median([w for _, w, _ in timed])),
+            "accounting_s": float(np.median([x for _, _, x in timed])),
+            "kv_budget_rows": [a.stats.kv_budget for a in timed[-1][0]], "first_call_s": calls[0][1],
             "ms_per_step_calls": [1e3 * x for x in step]}
 
 
@@ -904,6 +929,12 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
     return out
 
 
+def _call_ms(row: dict, key: str) -> str:
+    """A row's whole `ask` / `ask_many` call in ms, with the part in the stats' lookups when recorded."""
+    part = row.get("accounting_s")
+    return f"{1e3 * row[key]:.1f}" + ("" if part is None else f" ({1e3 * part:.1f})")
+
+
 def _rows_by_length(ask: dict, key: str, time_key: str):
     """The end-to-end `ask` rows' per-length results under `key`: [(method, length, row)], and
     vs_full(method, length, row) -> full attention's `time_key` over the row's (None for full
@@ -951,19 +982,16 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
         try:
             ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None, chat=False,
                                suffix_template="\n\n{question}", doc_sha256="random")
-            calls = []
-            for _ in range(1 + _ASK_TIMED_CALLS):
-                t0 = time.perf_counter()
-                ans = ctx.ask(question, max_new_tokens=n_new)
-                calls.append((ans.stats, time.perf_counter() - t0))
+            calls = _timed_asks(lambda: ctx.ask(question, max_new_tokens=n_new), 1 + _ASK_TIMED_CALLS)
             timed = calls[1:]                                   # the first call compiles
-            st = timed[-1][0]
-            ttft = [c.time_to_first_token_s for c, _ in timed]
-            per_tok = [c.time_per_output_token_s for c, _ in timed]
+            st = timed[-1][0].stats
+            ttft = [a.stats.time_to_first_token_s for a, _, _ in timed]
+            per_tok = [a.stats.time_per_output_token_s for a, _, _ in timed]
             rows[name] = {"n_prompt_tokens": st.n_prompt_tokens, "n_new_tokens": st.n_new_tokens,
                           "ttft_s": float(np.median(ttft)), "ms_per_token": 1e3 * float(np.median(per_tok)),
                           "tokens_per_s": 1.0 / float(np.median(per_tok)),
-                          "ask_s": float(np.median([w for _, w in timed])), "kv_budget": st.kv_budget,
+                          "ask_s": float(np.median([w for _, w, _ in timed])),
+                          "accounting_s": float(np.median([x for _, _, x in timed])), "kv_budget": st.kv_budget,
                           "ttft_s_calls": ttft, "ms_per_token_calls": [1e3 * x for x in per_tok],
                           "question_prefill_s": _question_prefill_s(ctx, question, n_new)}
             log(f"[e2e] ask, {name}: question prefill alone "
@@ -978,13 +1006,15 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
                     + "; ".join(f"{k['name'][:60]} {k['total_ms']:.3f} ms x{k['count']}" for k in prof["by_name"][:8]))
             log(f"[e2e] ask, {name}: TTFT {1e3 * rows[name]['ttft_s']:.1f} ms (calls: "
                 + ", ".join(f"{1e3 * x:.1f}" for x in ttft) + "), "
-                f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call {rows[name]['ask_s']:.2f} s, "
+                f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call "
+                f"{1e3 * rows[name]['ask_s']:.1f} ms (of it the stats' lookups {1e3 * rows[name]['accounting_s']:.1f} ms), "
                 f"KV budget {st.kv_budget:.3f}")
             for n_rows in batches:
                 try:
                     r = rows[name].setdefault("batches", {})[str(n_rows)] = _ask_many_row(ctx, question, n_rows, n_new)
                     log(f"[e2e] ask_many, {name}, {n_rows} questions: {r['ms_per_step']:.2f} ms/step, "
-                        f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms (first call, compiling: "
+                        f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms, whole call {1e3 * r['ask_many_s']:.1f} ms "
+                        f"(stats' lookups {1e3 * r['accounting_s']:.1f} ms; first call, compiling: "
                         f"{r['first_call_s']:.1f} s)")
                 except Exception as e:  # noqa: BLE001
                     rows[name].setdefault("batches", {})[str(n_rows)] = {"error": _err(e)}
@@ -1576,8 +1606,8 @@ def to_markdown(res: dict) -> str:
         if any(isinstance(r, dict) for r in ask.values()):
             md += ["", "`FixedContext.ask` on the same model and fixed context (medians over the calls after the "
                    "first, which compiles; TTFT of each call in brackets):", "",
-                   "| method | question tokens | new tokens | TTFT ms | ms / token | tokens/s | whole call s | KV budget |",
-                   "|---|---|---|---|---|---|---|---|"]
+                   "| method | question tokens | new tokens | TTFT ms | ms / token | tokens/s | whole call ms (stats' "
+                   "lookups) | KV budget |", "|---|---|---|---|---|---|---|---|"]
             for name, r in ask.items():
                 if not isinstance(r, dict) or name == "batch_speedup":
                     continue
@@ -1587,7 +1617,7 @@ def to_markdown(res: dict) -> str:
                 calls = ", ".join(f"{1e3 * x:.1f}" for x in r.get("ttft_s_calls", []))
                 md.append(f"| {name} | {r['n_prompt_tokens']} | {r['n_new_tokens']} | {1e3 * r['ttft_s']:.1f}"
                           f"{f' ({calls})' if calls else ''} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
-                          f"{r['ask_s']:.2f} | {r['kv_budget']:.3f} |")
+                          f"{_call_ms(r, 'ask_s')} | {r['kv_budget']:.3f} |")
             if "speedup" in ask:
                 md.append(f"\n`ask` decode speedup {ask['speedup']:.2f}×, TTFT speedup {ask['ttft_speedup']:.2f}×.")
             batched = [(name, n, b) for name, r in ask.items() if isinstance(r, dict) and name != "batch_speedup"
@@ -1595,7 +1625,7 @@ def to_markdown(res: dict) -> str:
             if batched:
                 md += ["", "`FixedContext.ask_many`: several questions in one batch over the same fixed context "
                        "(tokens/s counts every row's tokens; full attention reads the context once per step for "
-                       "all rows):", "", "| method | questions | ms / step | tokens/s | TTFT ms | whole call s | "
+                       "all rows):", "", "| method | questions | ms / step | tokens/s | TTFT ms | whole call ms (stats' lookups) | "
                        "speed-up vs full |", "|---|---|---|---|---|---|---|"]
                 for name, n, b in batched:
                     if "error" in b:
@@ -1603,7 +1633,7 @@ def to_markdown(res: dict) -> str:
                         continue
                     sp = ask.get("batch_speedup", {}).get(n) if name == "squeezed" else None
                     md.append(f"| {name} | {n} | {b['ms_per_step']:.3f} | {b['tokens_per_s']:.1f} | "
-                              f"{1e3 * b['ttft_s']:.1f} | {b['ask_many_s']:.2f} | {_f(sp, 2, '×')} |")
+                              f"{1e3 * b['ttft_s']:.1f} | {_call_ms(b, 'ask_many_s')} | {_f(sp, 2, '×')} |")
             longer, vs_full = _rows_by_length(ask, "ttft_by_question_tokens", "ttft_s")
             if longer:
                 md += ["", "Time to first token by question length (a follow-up with that many tokens of earlier "

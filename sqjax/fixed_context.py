@@ -477,33 +477,23 @@ class FixedContext:
     def _new_cache(self, n: int, batch: int = 1):
         return self.model.new_cache(batch, _capacity(n))
 
-    def _lookup_stats(self, q: jax.Array, q_pre: jax.Array, n_valid: int, q_valid=None) -> list[Selection]:
-        """Re-run the method's lookup on captured queries, for accounting only (outside the timed path).
+    def _lookup_counts(self, blocks, steps) -> tuple:
+        """Re-run the method's lookups on captured queries, for accounting only (outside the timed path):
+        every row's question block and every decode step in one program, read in one transfer.
 
-        q, q_pre: [layers, S, Hq, T, d] — S lookups (decode steps, padded) of T tokens each;
-        the first `n_valid` lookups count; q_valid [T]: a block's padding tokens (False) take no
-        part. Returns one Selection per layer whose kv_rows and meta_rows are [Hs, n_valid * T']
-        (one column per lookup token: T' = 1 for a block-level selection).
+        blocks: (q, q_pre [layers, B, Hq, T, d], q_valid [B, T] bool: a row's padding tokens take no
+        part); steps: None or (q, q_pre [layers, n, B, Hq, 1, d]): step i's query of row b.
+        -> (blocks, steps): each None or per layer host arrays (kv_rows [S, Hs, Ts], meta_rows
+        [S, Hs, Ts], overflow [S, Hs]), S lookups: the B blocks; the steps as i * B + b.
         """
-        # one transfer of every layer's arrays, sliced on the host: sliced on the device and read layer by
-        # layer, an answer's two calls took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device
-        # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
-        rows, meta, over = jax.device_get(_lookup_stats_jit(self.method, self._accounted_index(), self._state["k"], q,
-                                                            q_pre, q_valid))
-        # per-token methods have a column per query token (Ts = T): padding tokens' lookups do not count
-        keep = None if q_valid is None else np.asarray(q_valid, bool)
-        out = []
-        for layer in range(len(rows)):
-            r = rows[layer][:n_valid]  # [n, Hs, Ts]
-            m = meta[layer][:n_valid]
-            if keep is not None and r.shape[-1] == keep.shape[0] > 1:
-                r, m = r[..., keep], (m[..., keep] if m.shape[-1] == keep.shape[0] else m)
-            out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
-                                 np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), over[layer][:n_valid].any(0)))
-        return out
+        # one transfer, sliced on the host: sliced on the device and read layer by layer, an answer's
+        # accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device slices
+        # (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
+        return jax.device_get(_lookup_counts_jit(self.method, self._accounted_index(), self._state["k"], blocks,
+                                                 steps))
 
     def _accounted_index(self):
-        """The index `_lookup_stats` re-runs the lookup with: the one the timed path selected with.
+        """The index `_lookup_counts` re-runs the lookup with: the one the timed path selected with.
         The cluster-contiguous routes (`SparseAttentionHook` with a GPU backend) read every selected
         cluster's rows, with no capacity, so the capacity is lifted there: the rows are counted as
         read and no overflow is reported for clusters the library route would have dropped."""
@@ -713,16 +703,17 @@ class FixedContext:
             if done.all() or nxt_ahead is None:
                 break
             nxt_dev = nxt_ahead
-        # the accounting's lookups, after the loop: before it, their reads held the decode steps back
-        q_caps, q_pre_caps = _stacked_queries(caps)                               # [B, layers, Hq, T, d] each
-        prefill_sel = [self._lookup_stats(q_caps[b][:, None], q_pre_caps[b][:, None], 1, jnp.asarray(padded[b] >= 0))
-                       for b in range(n_rows)]
+        # the accounting's lookups, after the loop (before it, their reads held the decode steps back): every
+        # row's block and steps in one program
+        block_counts, step_counts = self._lookup_counts(
+            (*_stacked_queries(caps), jnp.asarray(padded >= 0)), None if qbuf is None else (qbuf[0], qbuf[-1]))
         answers = []
         for b in range(n_rows):
             # the steps that fed this row's tokens 0 .. n - 2 (the last token's step, if any, is not the answer's)
             n_steps = len(out[b]) - 1
-            step_sel = (self._lookup_stats(qbuf[0][:, :, b], qbuf[-1][:, :, b], n_steps) if n_steps else None)
-            stats = self._stats(prefill_sel[b], step_sel, len(q_ids[b]), len(out[b]), ttft, step_times)
+            prefill_sel = _selections(block_counts, [b], padded[b] >= 0)
+            step_sel = _selections(step_counts, np.arange(n_steps) * n_rows + b) if n_steps else None
+            stats = self._stats(prefill_sel, step_sel, len(q_ids[b]), len(out[b]), ttft, step_times)
             stats.n_reused_tokens = n_reused
             answers.append(Answer(tok_dec.decode(out[b]), out[b], stats))
         if n_rows > 1:
@@ -1041,23 +1032,42 @@ def _stack_row0(layers):
 @jax.jit
 def _stacked_queries(caps):
     """A prefill's captured queries, per layer {"q", "q_pre": [B, T, Hq, d]} -> (q, q_pre), each
-    [B, layers, Hq, T, d], in one program (not a few small dispatches per layer and row)."""
-    return tuple(jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps], axis=1) for name in ("q", "q_pre"))
+    [layers, B, Hq, T, d], in one program (not a few small dispatches per layer and row)."""
+    return tuple(jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre"))
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
-def _lookup_stats_jit(method, index, k_fixed, q, q_pre, q_valid):
-    """Rows read per lookup for every layer: q [layers, S, Hq, T, d] -> per layer [S, Hs, Ts] (x2), [S, Hs]."""
-    rows, meta, over = [], [], []
-    for layer in range(q.shape[0]):
-        def one(qs, qps, layer=layer):
-            sel = method.select(index, layer, qs, qps, k_fixed[layer], q_valid=q_valid)
-            return sel.kv_rows, sel.meta_rows, sel.overflow
-        r, m, o = jax.vmap(one)(q[layer], q_pre[layer])
-        rows.append(r)
-        meta.append(m)
-        over.append(o)
-    return rows, meta, over  # lists over layers (dense layers have Ts = 1)
+def _lookup_counts_jit(method, index, k_fixed, blocks, steps):
+    """`FixedContext._lookup_counts` on the device: per group (blocks, steps) and layer, the rows each
+    lookup reads ([S, Hs, Ts] x2, [S, Hs]). The selections' masks and positions are not outputs, so
+    they compile away (and with a capacity that holds every key, so does Squeezed's sort)."""
+    def counts(q, q_pre, q_valid):                         # [layers, S, Hq, T, d] x2, [S, T] or None
+        out = []
+        for layer in range(q.shape[0]):
+            def one(qs, qps, qv, layer=layer):
+                sel = method.select(index, layer, qs, qps, k_fixed[layer], q_valid=qv)
+                return sel.kv_rows, sel.meta_rows, sel.overflow
+            out.append(jax.vmap(one, in_axes=(0, 0, None if q_valid is None else 0))(q[layer], q_pre[layer], q_valid))
+        return out                                          # dense layers have Ts = 1
+
+    def as_lookups(x):                                      # [layers, n, B, Hq, 1, d] -> [layers, n * B, ...]
+        return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+    return counts(*blocks), (None if steps is None else counts(*map(as_lookups, steps), None))
+
+
+def _selections(counts, lookups, keep=None) -> list[Selection]:
+    """One Selection per layer of the lookups `lookups` (indices into S) of `_lookup_counts`' host arrays:
+    kv_rows and meta_rows [Hs, len(lookups) * Ts'] (a column per lookup token: Ts' = 1 for a block-level
+    selection). keep [T] bool: a block's real tokens (a per-token method's padding tokens do not count)."""
+    out = []
+    for rows, meta, over in counts:
+        r, m = rows[lookups], meta[lookups]                 # [n, Hs, Ts]
+        if keep is not None and r.shape[-1] == keep.shape[0] > 1:
+            r, m = r[..., keep], (m[..., keep] if m.shape[-1] == keep.shape[0] else m)
+        out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
+                             np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), over[lookups].any(0)))
+    return out
 
 
 def _model_dtype(model) -> str:

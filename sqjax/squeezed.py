@@ -239,6 +239,11 @@ def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_cluste
     n_keep = jnp.where(keep, n_sorted, 0)
     cum_keep = jnp.cumsum(n_keep)
     total = cum_keep[-1] if n_keep.shape[0] else jnp.int32(0)
+    if budget >= n_clustered:
+        # (static) every selected cluster fits: the count and the overflow need no order, so a caller
+        # that reads only them (`FixedContext`'s accounting) compiles without the sort
+        total = jnp.sum(jnp.where(selected, counts, 0)).astype(jnp.int32)
+        overflow = jnp.zeros((), bool)
     slots = jnp.arange(budget, dtype=jnp.int32)
     r = jnp.searchsorted(cum_keep, slots, side="right", method="scan_unrolled")
     r = jnp.minimum(r, order.shape[0] - 1)

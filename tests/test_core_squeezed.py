@@ -210,6 +210,25 @@ def test_retrieve_matches_numpy(rng, vote):
             assert np.all(got[:n_tail] == np.arange(lc, lc + n_tail)), "exact tail first"
 
 
+def test_retrieve_count_needs_no_sort_when_everything_fits(rng):
+    """The accounting reads only count and overflow: with a capacity that holds every key they are
+    a masked sum (no sort compiled), equal to the sorted path's; with a smaller one the sort stays."""
+    hkv, c, lc, n_tail = 2, 17, 150, 7
+    labels = rng.integers(0, c, size=(hkv, lc)).astype(np.int32)
+    counts = jnp.asarray(np.stack([np.bincount(labels[h], minlength=c) for h in range(hkv)]).astype(np.int32))
+    perm, offsets = cluster_layout(jnp.asarray(labels), c)
+    sel = jnp.asarray(rng.random((hkv, c)) < 0.4)
+    sc = jnp.asarray(rng.random((hkv, c)).astype(np.float32))
+    for capacity, sorted_ in ((n_tail + lc, False), (n_tail + lc + 5, False), (n_tail + 40, True)):
+        f = jax.jit(lambda s, x, cap=capacity: retrieve(s, x, counts, perm, offsets, n_tail, cap)[1:])
+        assert (" sort(" in f.lower(sel, sc).compile().as_text()) == sorted_, capacity
+        count, over = f(sel, sc)
+        if not sorted_:
+            want = n_tail + np.sum(np.where(np.asarray(sel), np.asarray(counts), 0), axis=1)
+            np.testing.assert_array_equal(np.asarray(count), want)
+            assert not np.any(np.asarray(over))
+
+
 def _setup(rng, hq=4, hkv=2, length=1200, d=16, hierarchical=False, sparsity=0.9):
     k = jnp.asarray(rng.normal(size=(2, hkv, length, d)).astype(np.float32))
     q_obs = jnp.asarray(rng.normal(size=(2, hq, 100, d)).astype(np.float32))

@@ -537,6 +537,32 @@ def test_gpu_route_accounts_every_selected_row(model):
         assert getattr(library, field) < getattr(full.stats, field), field
 
 
+def test_routed_accounting_compiles_without_a_sort(model):
+    """An answer's accounting re-runs the lookups for their counts only, every row's block and steps in
+    one program: on the GPU routes (the capacity lifted) it compiles with no sort; the library route,
+    whose capacity can cut the selection, keeps it (the count then depends on the scores' order)."""
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.5, n_sink=1, capacity_fraction=0.05), chat=False)
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    q = lambda *s: jnp.asarray(rng.normal(size=(cfg.num_layers, *s, cfg.num_heads, cfg.head_dim)), model.dtype)  # noqa: E731
+    qb = jnp.swapaxes(q(2, 5), 2, 3)                                          # [layers, B, Hq, T, d]
+    blocks = (qb, qb, jnp.ones((2, 5), bool))
+    qs = q(4, 2)[..., None, :]                                                 # [layers, n, B, Hq, 1, d]
+    steps = (qs, qs)
+    compiled = {}
+    for route, state in (("library", ctx._state),
+                         ("routed", fc.attention_state(ctx.kv.k, ctx.kv.v, ctx.index, clustered_layout=True))):
+        ctx._hook = dataclasses.replace(ctx._hook, backend="reference" if route == "library" else "interpret")
+        ctx._state = state
+        index = ctx._accounted_index()
+        compiled[route] = fc._lookup_counts_jit.lower(ctx.method, index, ctx._state["k"], blocks, steps).compile()
+        counts = fc._lookup_counts_jit(ctx.method, index, ctx._state["k"], blocks, steps)
+        assert [x.shape for x in counts[0][0]] == [(2, 2, 1), (2, 2, 1), (2, 2)]   # [S, Hs, Ts]: 2 blocks
+        assert [x.shape for x in counts[1][0]] == [(8, 2, 1), (8, 2, 1), (8, 2)]   # 4 steps x 2 rows
+    assert " sort(" in compiled["library"].as_text()
+    assert " sort(" not in compiled["routed"].as_text()
+
+
 def test_full_attention_gpu_path_equals_reference(model):
     """Full attention's GPU path (the split-KV dense Pallas kernel, here interpreted) gives the
     reference logits for a question's prefill block and for a decode step."""
