@@ -812,12 +812,13 @@ _ASK_TIMED_CALLS = 5   # `ask` calls timed after the first (which compiles; the 
 
 
 def _timed_asks(call, n: int) -> list[tuple]:
-    """call() n times -> [(its result, whole call s, s of it in the answer's accounting)]: the time in
-    `FixedContext._lookup_counts` (the lookups re-run for the KV-budget stats after the last token,
-    read back in one transfer)."""
+    """call(on_token) n times (an `ask` or `ask_many` call that streams to on_token) -> [(its result, whole
+    call s, s of it in the answer's accounting, s after the last token reached the host)]. The accounting:
+    the time in `FixedContext._lookup_counts` (the lookups re-run for the KV-budget stats after the last
+    token, read back in one transfer)."""
     from sqjax.fixed_context import FixedContext
 
-    counts, spent = FixedContext._lookup_counts, []
+    counts, spent, last = FixedContext._lookup_counts, [], [0.0]
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
@@ -826,14 +827,18 @@ def _timed_asks(call, n: int) -> list[tuple]:
         finally:
             spent.append(time.perf_counter() - t0)
 
+    def on_token(*_):
+        last[0] = time.perf_counter()
+
     out = []
     FixedContext._lookup_counts = timed
     try:
         for _ in range(n):
             spent.clear()
             t0 = time.perf_counter()
-            res = call()
-            out.append((res, time.perf_counter() - t0, sum(spent)))
+            res = call(on_token)
+            t1 = time.perf_counter()
+            out.append((res, t1 - t0, sum(spent), t1 - last[0]))
     finally:
         FixedContext._lookup_counts = counts
     return out
@@ -845,14 +850,16 @@ def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
     the median over `_ASK_TIMED_CALLS` calls after the first (which compiles); tokens/s counts every
     row's tokens (n_rows per step)."""
     questions = [f"{question} ({i + 1})" for i in range(n_rows)]
-    calls = _timed_asks(lambda: ctx.ask_many(questions, max_new_tokens=n_new), 1 + _ASK_TIMED_CALLS)
+    calls = _timed_asks(lambda on_token: ctx.ask_many(questions, max_new_tokens=n_new, on_token=on_token),
+                        1 + _ASK_TIMED_CALLS)
     timed = calls[1:]
-    step = [a[0].stats.time_per_output_token_s for a, _, _ in timed]
+    step = [a[0].stats.time_per_output_token_s for a, *_ in timed]
     return {"rows": n_rows, "n_new_tokens": timed[-1][0][0].stats.n_new_tokens,
             "ms_per_step": 1e3 * float(np.median(step)), "tokens_per_s": n_rows / float(np.median(step)),
-            "ttft_s": float(np.median([a[0].stats.time_to_first_token_s for a, _, _ in timed])),
-            "ask_many_s": float(np.median([w for _, w, _ in timed])),
-            "accounting_s": float(np.median([x for _, _, x in timed])),
+            "ttft_s": float(np.median([a[0].stats.time_to_first_token_s for a, *_ in timed])),
+            "ask_many_s": float(np.median([c[1] for c in timed])),
+            "accounting_s": float(np.median([c[2] for c in timed])),
+            "after_last_token_s": float(np.median([c[3] for c in timed])),
             "kv_budget_rows": [a.stats.kv_budget for a in timed[-1][0]], "first_call_s": calls[0][1],
             "ms_per_step_calls": [1e3 * x for x in step]}
 
@@ -930,9 +937,10 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
 
 
 def _call_ms(row: dict, key: str) -> str:
-    """A row's whole `ask` / `ask_many` call in ms, with the part in the stats' lookups when recorded."""
-    part = row.get("accounting_s")
-    return f"{1e3 * row[key]:.1f}" + ("" if part is None else f" ({1e3 * part:.1f})")
+    """A row's whole `ask` / `ask_many` call in ms, with its part after the last token and the stats'
+    lookups in it, where recorded."""
+    parts = [row.get(k) for k in ("after_last_token_s", "accounting_s")]
+    return f"{1e3 * row[key]:.1f}" + ("" if None in parts else f" ({1e3 * parts[0]:.1f} / {1e3 * parts[1]:.1f})")
 
 
 def _rows_by_length(ask: dict, key: str, time_key: str):
@@ -982,16 +990,18 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
         try:
             ctx = FixedContext(model, method, np.zeros(length, np.int32), data, idx, {}, last_logits=None, chat=False,
                                suffix_template="\n\n{question}", doc_sha256="random")
-            calls = _timed_asks(lambda: ctx.ask(question, max_new_tokens=n_new), 1 + _ASK_TIMED_CALLS)
+            calls = _timed_asks(lambda on_token: ctx.ask(question, max_new_tokens=n_new, on_token=on_token),
+                                1 + _ASK_TIMED_CALLS)
             timed = calls[1:]                                   # the first call compiles
             st = timed[-1][0].stats
-            ttft = [a.stats.time_to_first_token_s for a, _, _ in timed]
-            per_tok = [a.stats.time_per_output_token_s for a, _, _ in timed]
+            ttft = [c[0].stats.time_to_first_token_s for c in timed]
+            per_tok = [c[0].stats.time_per_output_token_s for c in timed]
             rows[name] = {"n_prompt_tokens": st.n_prompt_tokens, "n_new_tokens": st.n_new_tokens,
                           "ttft_s": float(np.median(ttft)), "ms_per_token": 1e3 * float(np.median(per_tok)),
                           "tokens_per_s": 1.0 / float(np.median(per_tok)),
-                          "ask_s": float(np.median([w for _, w, _ in timed])),
-                          "accounting_s": float(np.median([x for _, _, x in timed])), "kv_budget": st.kv_budget,
+                          "ask_s": float(np.median([c[1] for c in timed])),
+                          "accounting_s": float(np.median([c[2] for c in timed])),
+                          "after_last_token_s": float(np.median([c[3] for c in timed])), "kv_budget": st.kv_budget,
                           "ttft_s_calls": ttft, "ms_per_token_calls": [1e3 * x for x in per_tok],
                           "question_prefill_s": _question_prefill_s(ctx, question, n_new)}
             log(f"[e2e] ask, {name}: question prefill alone "
@@ -1007,14 +1017,16 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
             log(f"[e2e] ask, {name}: TTFT {1e3 * rows[name]['ttft_s']:.1f} ms (calls: "
                 + ", ".join(f"{1e3 * x:.1f}" for x in ttft) + "), "
                 f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call "
-                f"{1e3 * rows[name]['ask_s']:.1f} ms (of it the stats' lookups {1e3 * rows[name]['accounting_s']:.1f} ms), "
+                f"{1e3 * rows[name]['ask_s']:.1f} ms (after the last token {1e3 * rows[name]['after_last_token_s']:.1f} ms, "
+                f"of it the stats' lookups {1e3 * rows[name]['accounting_s']:.1f} ms), "
                 f"KV budget {st.kv_budget:.3f}")
             for n_rows in batches:
                 try:
                     r = rows[name].setdefault("batches", {})[str(n_rows)] = _ask_many_row(ctx, question, n_rows, n_new)
                     log(f"[e2e] ask_many, {name}, {n_rows} questions: {r['ms_per_step']:.2f} ms/step, "
                         f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms, whole call {1e3 * r['ask_many_s']:.1f} ms "
-                        f"(stats' lookups {1e3 * r['accounting_s']:.1f} ms; first call, compiling: "
+                        f"(after the last token {1e3 * r['after_last_token_s']:.1f} ms, stats' lookups {1e3 * r['accounting_s']:.1f} ms; "
+                        f"first call, compiling: "
                         f"{r['first_call_s']:.1f} s)")
                 except Exception as e:  # noqa: BLE001
                     rows[name].setdefault("batches", {})[str(n_rows)] = {"error": _err(e)}
@@ -1606,8 +1618,8 @@ def to_markdown(res: dict) -> str:
         if any(isinstance(r, dict) for r in ask.values()):
             md += ["", "`FixedContext.ask` on the same model and fixed context (medians over the calls after the "
                    "first, which compiles; TTFT of each call in brackets):", "",
-                   "| method | question tokens | new tokens | TTFT ms | ms / token | tokens/s | whole call ms (stats' "
-                   "lookups) | KV budget |", "|---|---|---|---|---|---|---|---|"]
+                   "| method | question tokens | new tokens | TTFT ms | ms / token | tokens/s | whole call ms (after the "
+                   "last token / of it the stats' lookups) | KV budget |", "|---|---|---|---|---|---|---|---|"]
             for name, r in ask.items():
                 if not isinstance(r, dict) or name == "batch_speedup":
                     continue
@@ -1625,7 +1637,8 @@ def to_markdown(res: dict) -> str:
             if batched:
                 md += ["", "`FixedContext.ask_many`: several questions in one batch over the same fixed context "
                        "(tokens/s counts every row's tokens; full attention reads the context once per step for "
-                       "all rows):", "", "| method | questions | ms / step | tokens/s | TTFT ms | whole call ms (stats' lookups) | "
+                       "all rows):", "", "| method | questions | ms / step | tokens/s | TTFT ms | whole call ms (after the last token / of it the "
+                       "stats' lookups) | "
                        "speed-up vs full |", "|---|---|---|---|---|---|---|"]
                 for name, n, b in batched:
                     if "error" in b:

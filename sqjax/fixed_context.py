@@ -483,8 +483,8 @@ class FixedContext:
 
         blocks: (q, q_pre [layers, B, Hq, T, d], q_valid [B, T] bool: a row's padding tokens take no
         part); steps: None or (q, q_pre [layers, n, B, Hq, 1, d]): step i's query of row b.
-        -> (blocks, steps): each None or per layer host arrays (kv_rows [S, Hs, Ts], meta_rows
-        [S, Hs, Ts], overflow [S, Hs]), S lookups: the B blocks; the steps as i * B + b.
+        -> (blocks, steps): each None or host arrays kv_rows [layers, S, Hs, Ts], meta_rows [layers, S,
+        Hs, Ts], overflow [layers, S, Hs]; S lookups: the B blocks; the steps as i * B + b.
         """
         # one transfer, sliced on the host: sliced on the device and read layer by layer, an answer's
         # accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device slices
@@ -1038,9 +1038,11 @@ def _stacked_queries(caps):
 
 @functools.partial(jax.jit, static_argnames=("method",))
 def _lookup_counts_jit(method, index, k_fixed, blocks, steps):
-    """`FixedContext._lookup_counts` on the device: per group (blocks, steps) and layer, the rows each
-    lookup reads ([S, Hs, Ts] x2, [S, Hs]). The selections' masks and positions are not outputs, so
-    they compile away (and with a capacity that holds every key, so does Squeezed's sort)."""
+    """`FixedContext._lookup_counts` on the device: per group (blocks, steps), the rows each lookup reads
+    at each layer, as three arrays (kv_rows [layers, S, Hs, Ts] x2, overflow [layers, S, Hs]): a few
+    transfers, where one per layer and array took ~16 ms on an H200. The selections' masks and positions
+    are not outputs, so they compile away (and with a capacity that holds every key, so does Squeezed's
+    sort)."""
     def counts(q, q_pre, q_valid):                         # [layers, S, Hq, T, d] x2, [S, T] or None
         out = []
         for layer in range(q.shape[0]):
@@ -1048,7 +1050,12 @@ def _lookup_counts_jit(method, index, k_fixed, blocks, steps):
                 sel = method.select(index, layer, qs, qps, k_fixed[layer], q_valid=qv)
                 return sel.kv_rows, sel.meta_rows, sel.overflow
             out.append(jax.vmap(one, in_axes=(0, 0, None if q_valid is None else 0))(q[layer], q_pre[layer], q_valid))
-        return out                                          # dense layers have Ts = 1
+        # a dense layer's one column (Ts = 1) repeated to a per-token layer's T: the accounting averages
+        # a layer's columns, so its figures are the same
+        ts = max(r.shape[-1] for r, _, _ in out)
+        wide = lambda x: jnp.broadcast_to(x, x.shape[:-1] + (ts,))   # noqa: E731
+        return (jnp.stack([wide(r) for r, _, _ in out]), jnp.stack([wide(m) for _, m, _ in out]),
+                jnp.stack([o for _, _, o in out]))
 
     def as_lookups(x):                                      # [layers, n, B, Hq, 1, d] -> [layers, n * B, ...]
         return x.reshape(x.shape[0], -1, *x.shape[3:])
@@ -1061,7 +1068,7 @@ def _selections(counts, lookups, keep=None) -> list[Selection]:
     kv_rows and meta_rows [Hs, len(lookups) * Ts'] (a column per lookup token: Ts' = 1 for a block-level
     selection). keep [T] bool: a block's real tokens (a per-token method's padding tokens do not count)."""
     out = []
-    for rows, meta, over in counts:
+    for rows, meta, over in zip(*counts):
         r, m = rows[lookups], meta[lookups]                 # [n, Hs, Ts]
         if keep is not None and r.shape[-1] == keep.shape[0] > 1:
             r, m = r[..., keep], (m[..., keep] if m.shape[-1] == keep.shape[0] else m)

@@ -557,8 +557,9 @@ def test_routed_accounting_compiles_without_a_sort(model):
         index = ctx._accounted_index()
         compiled[route] = fc._lookup_counts_jit.lower(ctx.method, index, ctx._state["k"], blocks, steps).compile()
         counts = fc._lookup_counts_jit(ctx.method, index, ctx._state["k"], blocks, steps)
-        assert [x.shape for x in counts[0][0]] == [(2, 2, 1), (2, 2, 1), (2, 2)]   # [S, Hs, Ts]: 2 blocks
-        assert [x.shape for x in counts[1][0]] == [(8, 2, 1), (8, 2, 1), (8, 2)]   # 4 steps x 2 rows
+        n = cfg.num_layers                                                     # [layers, S, Hs, Ts]:
+        assert [x.shape for x in counts[0]] == [(n, 2, 2, 1), (n, 2, 2, 1), (n, 2, 2)]   # 2 blocks
+        assert [x.shape for x in counts[1]] == [(n, 8, 2, 1), (n, 8, 2, 1), (n, 8, 2)]   # 4 steps x 2 rows
     assert " sort(" in compiled["library"].as_text()
     assert " sort(" not in compiled["routed"].as_text()
 
