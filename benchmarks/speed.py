@@ -811,37 +811,52 @@ def _question_prefill_s(ctx, question: str, n_new: int = 16) -> dict:
 _ASK_TIMED_CALLS = 5   # `ask` calls timed after the first (which compiles; the next builds its CUDA graph); rows take medians
 
 
-def _timed_asks(call, n: int) -> list[tuple]:
-    """call(on_token) n times (an `ask` or `ask_many` call that streams to on_token) -> [(its result, whole
-    call s, s of it in the answer's accounting, s after the last token reached the host)]. The accounting:
-    the time in `FixedContext._lookup_counts` (the lookups re-run for the KV-budget stats after the last
-    token, read back in one transfer)."""
+# the parts of an `ask` call after its last token that `_timed_asks` times: the accounting's lookups
+# (re-run for the KV-budget stats, read back in one transfer) and the host's budget arithmetic per answer
+_AFTER_LAST_TOKEN = {"accounting_s": "_lookup_counts", "stats_s": "_stats"}
+
+
+def _timed_asks(call, n: int) -> list[dict]:
+    """call(on_token) n times (an `ask` or `ask_many` call that streams to on_token) -> per call {"result",
+    "call_s": the whole call, "after_last_token_s": its part after the last token reached the host, and
+    for each key of `_AFTER_LAST_TOKEN` the time in that `FixedContext` method}."""
     from sqjax.fixed_context import FixedContext
 
-    counts, spent, last = FixedContext._lookup_counts, [], [0.0]
+    saved = {key: getattr(FixedContext, name) for key, name in _AFTER_LAST_TOKEN.items()}
+    spent, last = {}, [0.0]
 
-    def timed(self, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return counts(self, *a, **k)
-        finally:
-            spent.append(time.perf_counter() - t0)
+    def timed(key, f):
+        def g(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(self, *a, **k)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        return g
 
     def on_token(*_):
         last[0] = time.perf_counter()
 
     out = []
-    FixedContext._lookup_counts = timed
+    for key, f in saved.items():
+        setattr(FixedContext, _AFTER_LAST_TOKEN[key], timed(key, f))
     try:
         for _ in range(n):
             spent.clear()
             t0 = time.perf_counter()
             res = call(on_token)
             t1 = time.perf_counter()
-            out.append((res, t1 - t0, sum(spent), t1 - last[0]))
+            out.append({"result": res, "call_s": t1 - t0, "after_last_token_s": t1 - last[0],
+                        **{key: spent.get(key, 0.0) for key in saved}})
     finally:
-        FixedContext._lookup_counts = counts
+        for key, f in saved.items():
+            setattr(FixedContext, _AFTER_LAST_TOKEN[key], f)
     return out
+
+
+def _call_parts(timed: list[dict]) -> dict:
+    """The medians of `_timed_asks`' parts after the last token, over the timed calls."""
+    return {key: float(np.median([c[key] for c in timed])) for key in ("after_last_token_s", *_AFTER_LAST_TOKEN)}
 
 
 def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
@@ -853,14 +868,12 @@ def _ask_many_row(ctx, question: str, n_rows: int, n_new: int) -> dict:
     calls = _timed_asks(lambda on_token: ctx.ask_many(questions, max_new_tokens=n_new, on_token=on_token),
                         1 + _ASK_TIMED_CALLS)
     timed = calls[1:]
-    step = [a[0].stats.time_per_output_token_s for a, *_ in timed]
-    return {"rows": n_rows, "n_new_tokens": timed[-1][0][0].stats.n_new_tokens,
+    step = [c["result"][0].stats.time_per_output_token_s for c in timed]
+    return {"rows": n_rows, "n_new_tokens": timed[-1]["result"][0].stats.n_new_tokens,
             "ms_per_step": 1e3 * float(np.median(step)), "tokens_per_s": n_rows / float(np.median(step)),
-            "ttft_s": float(np.median([a[0].stats.time_to_first_token_s for a, *_ in timed])),
-            "ask_many_s": float(np.median([c[1] for c in timed])),
-            "accounting_s": float(np.median([c[2] for c in timed])),
-            "after_last_token_s": float(np.median([c[3] for c in timed])),
-            "kv_budget_rows": [a.stats.kv_budget for a in timed[-1][0]], "first_call_s": calls[0][1],
+            "ttft_s": float(np.median([c["result"][0].stats.time_to_first_token_s for c in timed])),
+            "ask_many_s": float(np.median([c["call_s"] for c in timed])), **_call_parts(timed),
+            "kv_budget_rows": [a.stats.kv_budget for a in timed[-1]["result"]], "first_call_s": calls[0]["call_s"],
             "ms_per_step_calls": [1e3 * x for x in step]}
 
 
@@ -936,6 +949,12 @@ def _ttft_follow_up(ctx, question: str, lengths, n_new: int, log, name: str) -> 
     return out
 
 
+def _after_last_token(row: dict) -> str:
+    """A log line's account of an `ask` row's time after its last token."""
+    return (f"after the last token {1e3 * row['after_last_token_s']:.1f} ms: the stats' lookups "
+            f"{1e3 * row['accounting_s']:.1f} ms, their arithmetic {1e3 * row['stats_s']:.1f} ms")
+
+
 def _call_ms(row: dict, key: str) -> str:
     """A row's whole `ask` / `ask_many` call in ms, with its part after the last token and the stats'
     lookups in it, where recorded."""
@@ -993,15 +1012,14 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
             calls = _timed_asks(lambda on_token: ctx.ask(question, max_new_tokens=n_new, on_token=on_token),
                                 1 + _ASK_TIMED_CALLS)
             timed = calls[1:]                                   # the first call compiles
-            st = timed[-1][0].stats
-            ttft = [c[0].stats.time_to_first_token_s for c in timed]
-            per_tok = [c[0].stats.time_per_output_token_s for c in timed]
+            st = timed[-1]["result"].stats
+            ttft = [c["result"].stats.time_to_first_token_s for c in timed]
+            per_tok = [c["result"].stats.time_per_output_token_s for c in timed]
             rows[name] = {"n_prompt_tokens": st.n_prompt_tokens, "n_new_tokens": st.n_new_tokens,
                           "ttft_s": float(np.median(ttft)), "ms_per_token": 1e3 * float(np.median(per_tok)),
                           "tokens_per_s": 1.0 / float(np.median(per_tok)),
-                          "ask_s": float(np.median([c[1] for c in timed])),
-                          "accounting_s": float(np.median([c[2] for c in timed])),
-                          "after_last_token_s": float(np.median([c[3] for c in timed])), "kv_budget": st.kv_budget,
+                          "ask_s": float(np.median([c["call_s"] for c in timed])), **_call_parts(timed),
+                          "kv_budget": st.kv_budget,
                           "ttft_s_calls": ttft, "ms_per_token_calls": [1e3 * x for x in per_tok],
                           "question_prefill_s": _question_prefill_s(ctx, question, n_new)}
             log(f"[e2e] ask, {name}: question prefill alone "
@@ -1017,16 +1035,14 @@ def _ask_rows(model, methods, data: LayerKV, length: int, n_prompt: int, n_new: 
             log(f"[e2e] ask, {name}: TTFT {1e3 * rows[name]['ttft_s']:.1f} ms (calls: "
                 + ", ".join(f"{1e3 * x:.1f}" for x in ttft) + "), "
                 f"{rows[name]['ms_per_token']:.2f} ms/token ({st.n_new_tokens} tokens), whole call "
-                f"{1e3 * rows[name]['ask_s']:.1f} ms (after the last token {1e3 * rows[name]['after_last_token_s']:.1f} ms, "
-                f"of it the stats' lookups {1e3 * rows[name]['accounting_s']:.1f} ms), "
+                f"{1e3 * rows[name]['ask_s']:.1f} ms ({_after_last_token(rows[name])}), "
                 f"KV budget {st.kv_budget:.3f}")
             for n_rows in batches:
                 try:
                     r = rows[name].setdefault("batches", {})[str(n_rows)] = _ask_many_row(ctx, question, n_rows, n_new)
                     log(f"[e2e] ask_many, {name}, {n_rows} questions: {r['ms_per_step']:.2f} ms/step, "
                         f"{r['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * r['ttft_s']:.1f} ms, whole call {1e3 * r['ask_many_s']:.1f} ms "
-                        f"(after the last token {1e3 * r['after_last_token_s']:.1f} ms, stats' lookups {1e3 * r['accounting_s']:.1f} ms; "
-                        f"first call, compiling: "
+                        f"({_after_last_token(r)}; first call, compiling: "
                         f"{r['first_call_s']:.1f} s)")
                 except Exception as e:  # noqa: BLE001
                     rows[name].setdefault("batches", {})[str(n_rows)] = {"error": _err(e)}

@@ -477,20 +477,21 @@ class FixedContext:
     def _new_cache(self, n: int, batch: int = 1):
         return self.model.new_cache(batch, _capacity(n))
 
-    def _lookup_counts(self, blocks, steps) -> tuple:
+    def _lookup_counts(self, caps, q_valid: np.ndarray, qbuf) -> tuple:
         """Re-run the method's lookups on captured queries, for accounting only (outside the timed path):
         every row's question block and every decode step in one program, read in one transfer.
 
-        blocks: (q, q_pre [layers, B, Hq, T, d], q_valid [B, T] bool: a row's padding tokens take no
-        part); steps: None or (q, q_pre [layers, n, B, Hq, 1, d]): step i's query of row b.
-        -> (blocks, steps): each None or host arrays kv_rows [layers, S, Hs, Ts], meta_rows [layers, S,
-        Hs, Ts], overflow [layers, S, Hs]; S lookups: the B blocks; the steps as i * B + b.
+        caps: the prefill's captures, per layer {"q", "q_pre": [B, T, Hq, d]}; q_valid [B, T] bool: a
+        row's padding tokens (False) take no part; qbuf: None or the steps' queries [K, layers, n, B, Hq,
+        1, d] (K = 2: the de-roped ones last). -> (blocks, steps): each None or host arrays kv_rows
+        [layers, S, Hs, Ts], meta_rows [layers, S, Hs, Ts], overflow [layers, S, Hs]; S lookups: the B
+        blocks; the steps as i * B + b.
         """
-        # one transfer, sliced on the host: sliced on the device and read layer by layer, an answer's
-        # accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device slices
-        # (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
-        return jax.device_get(_lookup_counts_jit(self.method, self._accounted_index(), self._state["k"], blocks,
-                                                 steps))
+        # one transfer of a few arrays, sliced on the host: sliced on the device and read layer by layer,
+        # an answer's accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device
+        # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
+        return jax.device_get(_lookup_counts_jit(self.method, self._accounted_index(), self._state["k"], caps,
+                                                 q_valid, qbuf))
 
     def _accounted_index(self):
         """The index `_lookup_counts` re-runs the lookup with: the one the timed path selected with.
@@ -705,8 +706,7 @@ class FixedContext:
             nxt_dev = nxt_ahead
         # the accounting's lookups, after the loop (before it, their reads held the decode steps back): every
         # row's block and steps in one program
-        block_counts, step_counts = self._lookup_counts(
-            (*_stacked_queries(caps), jnp.asarray(padded >= 0)), None if qbuf is None else (qbuf[0], qbuf[-1]))
+        block_counts, step_counts = self._lookup_counts(caps, padded >= 0, qbuf)
         answers = []
         for b in range(n_rows):
             # the steps that fed this row's tokens 0 .. n - 2 (the last token's step, if any, is not the answer's)
@@ -1029,15 +1029,8 @@ def _stack_row0(layers):
     return jnp.stack([x[0] for x in layers])
 
 
-@jax.jit
-def _stacked_queries(caps):
-    """A prefill's captured queries, per layer {"q", "q_pre": [B, T, Hq, d]} -> (q, q_pre), each
-    [layers, B, Hq, T, d], in one program (not a few small dispatches per layer and row)."""
-    return tuple(jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre"))
-
-
 @functools.partial(jax.jit, static_argnames=("method",))
-def _lookup_counts_jit(method, index, k_fixed, blocks, steps):
+def _lookup_counts_jit(method, index, k_fixed, caps, q_valid, qbuf):
     """`FixedContext._lookup_counts` on the device: per group (blocks, steps), the rows each lookup reads
     at each layer, as three arrays (kv_rows [layers, S, Hs, Ts] x2, overflow [layers, S, Hs]): a few
     transfers, where one per layer and array took ~16 ms on an H200. The selections' masks and positions
@@ -1057,24 +1050,22 @@ def _lookup_counts_jit(method, index, k_fixed, blocks, steps):
         return (jnp.stack([wide(r) for r, _, _ in out]), jnp.stack([wide(m) for _, m, _ in out]),
                 jnp.stack([o for _, _, o in out]))
 
-    def as_lookups(x):                                      # [layers, n, B, Hq, 1, d] -> [layers, n * B, ...]
-        return x.reshape(x.shape[0], -1, *x.shape[3:])
-
-    return counts(*blocks), (None if steps is None else counts(*map(as_lookups, steps), None))
+    blocks = [jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")]  # [layers, B, Hq, T, d]
+    if qbuf is None:
+        return counts(*blocks, q_valid), None
+    steps = [x.reshape(x.shape[0], -1, *x.shape[3:]) for x in (qbuf[0], qbuf[-1])]   # [layers, n * B, Hq, 1, d]
+    return counts(*blocks, q_valid), counts(*steps, None)
 
 
 def _selections(counts, lookups, keep=None) -> list[Selection]:
     """One Selection per layer of the lookups `lookups` (indices into S) of `_lookup_counts`' host arrays:
     kv_rows and meta_rows [Hs, len(lookups) * Ts'] (a column per lookup token: Ts' = 1 for a block-level
     selection). keep [T] bool: a block's real tokens (a per-token method's padding tokens do not count)."""
-    out = []
-    for rows, meta, over in zip(*counts):
-        r, m = rows[lookups], meta[lookups]                 # [n, Hs, Ts]
-        if keep is not None and r.shape[-1] == keep.shape[0] > 1:
-            r, m = r[..., keep], (m[..., keep] if m.shape[-1] == keep.shape[0] else m)
-        out.append(Selection(None, np.moveaxis(r, 0, 1).reshape(r.shape[1], -1),
-                             np.moveaxis(m, 0, 1).reshape(m.shape[1], -1), over[lookups].any(0)))
-    return out
+    rows, meta, over = (x[:, lookups] for x in counts)                   # [layers, n, Hs, Ts] x2, [layers, n, Hs]
+    if keep is not None and rows.shape[-1] == keep.shape[0] > 1:
+        rows, meta = rows[..., keep], meta[..., keep]
+    cols = lambda x: np.moveaxis(x, 1, 2).reshape(x.shape[0], x.shape[2], -1)   # [layers, Hs, n * Ts]  # noqa: E731
+    return [Selection(None, r, m, o) for r, m, o in zip(cols(rows), cols(meta), over.any(1))]
 
 
 def _model_dtype(model) -> str:

@@ -544,19 +544,19 @@ def test_routed_accounting_compiles_without_a_sort(model):
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.5, n_sink=1, capacity_fraction=0.05), chat=False)
     cfg = model.config
     rng = np.random.default_rng(0)
-    q = lambda *s: jnp.asarray(rng.normal(size=(cfg.num_layers, *s, cfg.num_heads, cfg.head_dim)), model.dtype)  # noqa: E731
-    qb = jnp.swapaxes(q(2, 5), 2, 3)                                          # [layers, B, Hq, T, d]
-    blocks = (qb, qb, jnp.ones((2, 5), bool))
-    qs = q(4, 2)[..., None, :]                                                 # [layers, n, B, Hq, 1, d]
-    steps = (qs, qs)
+    q = lambda *s: jnp.asarray(rng.normal(size=(*s, cfg.num_heads, cfg.head_dim)), model.dtype)  # noqa: E731
+    caps = [{"q": q(2, 5), "q_pre": q(2, 5)} for _ in range(cfg.num_layers)]   # 2 blocks [B, T, Hq, d]
+    valid = np.ones((2, 5), bool)
+    qbuf = q(2, cfg.num_layers, 4, 2)[..., None, :]                            # 4 steps [K, layers, n, B, Hq, 1, d]
     compiled = {}
     for route, state in (("library", ctx._state),
                          ("routed", fc.attention_state(ctx.kv.k, ctx.kv.v, ctx.index, clustered_layout=True))):
         ctx._hook = dataclasses.replace(ctx._hook, backend="reference" if route == "library" else "interpret")
         ctx._state = state
         index = ctx._accounted_index()
-        compiled[route] = fc._lookup_counts_jit.lower(ctx.method, index, ctx._state["k"], blocks, steps).compile()
-        counts = fc._lookup_counts_jit(ctx.method, index, ctx._state["k"], blocks, steps)
+        args = (ctx.method, index, ctx._state["k"], caps, valid, qbuf)
+        compiled[route] = fc._lookup_counts_jit.lower(*args).compile()
+        counts = fc._lookup_counts_jit(*args)
         n = cfg.num_layers                                                     # [layers, S, Hs, Ts]:
         assert [x.shape for x in counts[0]] == [(n, 2, 2, 1), (n, 2, 2, 1), (n, 2, 2)]   # 2 blocks
         assert [x.shape for x in counts[1]] == [(n, 8, 2, 1), (n, 8, 2, 1), (n, 8, 2)]   # 4 steps x 2 rows
