@@ -13,6 +13,7 @@ fixed document whose KV lives in ``attn_state``).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -198,6 +199,22 @@ def _normalize_prompts(prompt_ids) -> tuple[list[list[int]], bool]:
     return [[int(t) for t in p] for p in prompt_ids], False
 
 
+def stop_id_set(stop_ids, default) -> set[int]:
+    """The token ids a row stops at: `stop_ids` (an iterable of ints; empty: never stops), or `default`
+    when it is None. ValueError names the first value that is not a token id."""
+    if stop_ids is None:
+        stop_ids = default
+    if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+        raise ValueError(f"stop_ids must be a list of token ids (ints), such as the tokenizer's eos_ids; "
+                         f"got {stop_ids!r:.80}")
+    ids = list(stop_ids)
+    for s in ids:
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise ValueError(f"stop_ids must be token ids (ints), such as the tokenizer's eos_ids; got {s!r:.80} "
+                             f"({type(s).__name__})")
+    return {int(s) for s in ids}
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -236,9 +253,8 @@ def generate(
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     graphdef, state, config, tokenizer, dtype = _unpack_model(model)
     prompts, _ = _normalize_prompts(prompt_ids)
-    if stop_ids is None:
-        stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else config.eos_token_ids
-    stop = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
+    eos = tuple(tokenizer.eos_ids) if tokenizer is not None else config.eos_token_ids
+    stop = np.asarray(sorted(stop_id_set(stop_ids, eos)), np.int64)
     pad_id = int(stop[0]) if len(stop) else 0
     tokens, positions = left_pad(prompts, pad_id, position_offset)
     B, T = tokens.shape

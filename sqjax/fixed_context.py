@@ -49,7 +49,8 @@ def _check_text(what: str, text) -> None:
         hint = " (decode it first)" if isinstance(text, (bytes, bytearray)) else ""
         raise SqjaxError(f"{what} must be a str; got {type(text).__name__}{hint}")
     if not text.strip():
-        raise SqjaxError(f"{what} is empty: " + ("pass a text file with content" if what == "the document" else "ask something"))
+        raise SqjaxError(f"{what} is empty: " + {"the document": "pass a text file with content",
+                                                  "the text to score": "pass some text"}.get(what, "ask something"))
 
 
 def _encode_user_text(tok, template: list[str], user: list[str], add_bos) -> list[int]:
@@ -629,12 +630,14 @@ class FixedContext:
         first row's prompt and answer)."""
         questions = questions if isinstance(questions, str) else list(questions)   # any iterable of str
         q_ids = self.check_questions(questions, max_new_tokens, temperature, top_p, histories)
+        from models.generate import stop_id_set
+
+        tok_dec = self.model.tokenizer
         try:
             check_seed("seed", seed)
+            stop = stop_id_set(stop_ids, tok_dec.eos_ids)
         except ValueError as e:
             raise SqjaxError(str(e)) from None
-        tok_dec = self.model.tokenizer
-        stop = set(int(s) for s in (stop_ids if stop_ids is not None else tok_dec.eos_ids))
         n_reused = turn.reusable(q_ids[0]) if turn is not None and len(q_ids) == 1 else 0
         padded = _left_pad([ids[n_reused:] for ids in q_ids])     # [B, T], -1 = padding
         n_rows, padded_len = padded.shape

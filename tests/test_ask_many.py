@@ -93,6 +93,10 @@ def test_bad_batches(ctx):
     n = ctx.model.config.max_position_embeddings
     with pytest.raises(SqjaxError, match="exceed the model's context"):
         ctx.ask_many(["a?", "b?"], max_new_tokens=n)
+    for bad in (["x"], "</s>", [1.0], [True], 7):   # stop ids are token ids: named before any work
+        with pytest.raises(SqjaxError, match="stop_ids must be"):
+            ctx.ask_many(["a?"], max_new_tokens=2, stop_ids=bad)
+    assert ctx.ask("a?", max_new_tokens=2, stop_ids=np.asarray([10 ** 6])).stats.n_new_tokens == 2
 
 
 def test_batch_benchmark_plumbing(tmp_path):

@@ -377,6 +377,8 @@ def test_generate_sampling_stop_and_streaming(tiny):
     seen = []
     r = generate(lm, prompt, 6, stop_ids=(), on_token=lambda step, ids: seen.append((step, ids.tolist())) or step == 3)
     assert [s for s, _ in seen] == [0, 1, 2, 3] and [i[0] for _, i in seen] == greedy[:4] and r.ids == greedy[:4]
+    with pytest.raises(ValueError, match="stop_ids must be token ids .* got 'x'"):
+        generate(lm, prompt, 2, stop_ids=["x"])
 
 
 def test_bfloat16_model_runs_close_to_float32(tiny):
