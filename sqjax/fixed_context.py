@@ -478,21 +478,24 @@ class FixedContext:
     def _new_cache(self, n: int, batch: int = 1):
         return self.model.new_cache(batch, _capacity(n))
 
-    def _lookup_counts(self, caps, q_valid: np.ndarray, qbuf) -> tuple:
+    def _lookup_counts(self, caps, q_valid: np.ndarray, qbuf, n_steps: int = 0) -> tuple:
         """Re-run the method's lookups on captured queries, for accounting only (outside the timed path):
         every row's question block and every decode step in one program, read in one transfer.
 
         caps: the prefill's captures, per layer {"q", "q_pre": [B, T, Hq, d]}; q_valid [B, T] bool: a
         row's padding tokens (False) take no part; qbuf: None or the steps' queries [K, layers, n, B, Hq,
-        1, d] (K = 2: the de-roped ones last). -> (blocks, steps): each None or host arrays kv_rows
-        [layers, S, Hs, Ts], meta_rows [layers, S, Hs, Ts], overflow [layers, S, Hs]; S lookups: the B
-        blocks; the steps as i * B + b.
+        1, d] (K = 2: the de-roped ones last), of which the first n_steps were written. -> (blocks,
+        steps): each None or host arrays kv_rows [layers, S, Hs, Ts], meta_rows [layers, S, Hs, Ts],
+        overflow [layers, S, Hs]; S lookups: the B blocks; the steps as i * B + b (i < n_steps, rounded
+        up to a power of two >= _BUCKET: an answer that stops early is not looked up to max_new_tokens,
+        and the program compiles once per bucket).
         """
+        n = None if qbuf is None else min(qbuf.shape[2], max(_BUCKET, 1 << max(n_steps - 1, 0).bit_length()))
         # one transfer of a few arrays, sliced on the host: sliced on the device and read layer by layer,
         # an answer's accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device
         # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
         return jax.device_get(_lookup_counts_jit(self.method, self._accounted_index(), self._state["k"], caps,
-                                                 q_valid, qbuf))
+                                                 q_valid, qbuf, n_steps=n))
 
     def _accounted_index(self):
         """The index `_lookup_counts` re-runs the lookup with: the one the timed path selected with.
@@ -709,7 +712,7 @@ class FixedContext:
             nxt_dev = nxt_ahead
         # the accounting's lookups, after the loop (before it, their reads held the decode steps back): every
         # row's block and steps in one program
-        block_counts, step_counts = self._lookup_counts(caps, padded >= 0, qbuf)
+        block_counts, step_counts = self._lookup_counts(caps, padded >= 0, qbuf, n_fed)
         answers = []
         for b in range(n_rows):
             # the steps that fed this row's tokens 0 .. n - 2 (the last token's step, if any, is not the answer's)
@@ -1032,8 +1035,8 @@ def _stack_row0(layers):
     return jnp.stack([x[0] for x in layers])
 
 
-@functools.partial(jax.jit, static_argnames=("method",))
-def _lookup_counts_jit(method, index, k_fixed, caps, q_valid, qbuf):
+@functools.partial(jax.jit, static_argnames=("method", "n_steps"))
+def _lookup_counts_jit(method, index, k_fixed, caps, q_valid, qbuf, n_steps=None):
     """`FixedContext._lookup_counts` on the device: per group (blocks, steps), the rows each lookup reads
     at each layer, as three arrays (kv_rows [layers, S, Hs, Ts] x2, overflow [layers, S, Hs]): a few
     transfers, where one per layer and array took ~16 ms on an H200. The selections' masks and positions
@@ -1056,7 +1059,7 @@ def _lookup_counts_jit(method, index, k_fixed, caps, q_valid, qbuf):
     blocks = [jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")]  # [layers, B, Hq, T, d]
     if qbuf is None:
         return counts(*blocks, q_valid), None
-    steps = [x.reshape(x.shape[0], -1, *x.shape[3:]) for x in (qbuf[0], qbuf[-1])]   # [layers, n * B, Hq, 1, d]
+    steps = [x[:, :n_steps].reshape(x.shape[0], -1, *x.shape[3:]) for x in (qbuf[0], qbuf[-1])]   # [layers, n * B, ...]
     return counts(*blocks, q_valid), counts(*steps, None)
 
 

@@ -68,6 +68,26 @@ def test_rows_stop_on_their_own(ctx):
     assert [pieces[i] for i in range(3)] == [str(a) for a in got]
 
 
+def test_stats_of_an_early_stop_look_up_only_the_steps_fed(ctx, monkeypatch):
+    """An answer that stops long before max_new_tokens: its accounting re-runs the lookups of the steps
+    that were fed (rounded up to a bucket of 16), not of every slot up to max_new_tokens, and its stats
+    are those of the same answer asked with room for just its tokens."""
+    free = ctx.ask(QUESTIONS[0], max_new_tokens=5, stop_ids=())
+    stop = free.token_ids[2]
+    seen = []
+    real = fc._lookup_counts_jit
+
+    def spy(*a, **k):
+        seen.append((a[5].shape[2], k["n_steps"]))           # qbuf's step slots, the steps looked up
+        return real(*a, **k)
+
+    monkeypatch.setattr(fc, "_lookup_counts_jit", spy)
+    long = ctx.ask(QUESTIONS[0], max_new_tokens=64, stop_ids=(stop,))
+    assert long.token_ids == free.token_ids[:3] and seen == [(64, 16)]
+    _same_answer(long, ctx.ask(QUESTIONS[0], max_new_tokens=4, stop_ids=(stop,)))
+    assert seen[1] == (16, 16)
+
+
 def test_ask_streams_like_before(ctx):
     pieces = []
     a = ctx.ask(QUESTIONS[2], max_new_tokens=4, stop_ids=(), on_token=pieces.append)
