@@ -480,7 +480,7 @@ class FixedContext:
 
     def _lookup_counts(self, caps, q_valid: np.ndarray, qbuf, n_steps: int = 0) -> tuple:
         """Re-run the method's lookups on captured queries, for accounting only (outside the timed path):
-        every row's question block and every decode step in one program, read in one transfer.
+        every row's question block and every decode step in one program, read back together.
 
         caps: the prefill's captures, per layer {"q", "q_pre": [B, T, Hq, d]}; q_valid [B, T] bool: a
         row's padding tokens (False) take no part; qbuf: None or the steps' queries [K, layers, n, B, Hq,
@@ -491,9 +491,9 @@ class FixedContext:
         and the program compiles once per bucket).
         """
         n = None if qbuf is None else min(qbuf.shape[2], max(_BUCKET, 1 << max(n_steps - 1, 0).bit_length()))
-        # one transfer of a few arrays, sliced on the host: sliced on the device and read layer by layer,
+        # a few arrays, read together and sliced on the host: sliced on the device and read layer by layer,
         # an answer's accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device
-        # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/)
+        # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/; now benchmarks/results/gpu_h200_ask_call/)
         return jax.device_get(_lookup_counts_jit(self.method, self._accounted_index(), self._state["k"], caps,
                                                  q_valid, qbuf, n_steps=n))
 
