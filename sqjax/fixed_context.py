@@ -480,7 +480,7 @@ class FixedContext:
 
     def _lookup_counts(self, caps, q_valid: np.ndarray, qbuf, n_steps: int = 0) -> tuple:
         """Re-run the method's lookups on captured queries, for accounting only (outside the timed path):
-        every row's question block and every decode step in one program, read back together.
+        every row's question block in one program, every decode step in another, read back together.
 
         caps: the prefill's captures, per layer {"q", "q_pre": [B, T, Hq, d]}; q_valid [B, T] bool: a
         row's padding tokens (False) take no part; qbuf: None or the steps' queries [K, layers, n, B, Hq,
@@ -490,12 +490,15 @@ class FixedContext:
         up to a power of two >= _BUCKET: an answer that stops early is not looked up to max_new_tokens,
         and the program compiles once per bucket).
         """
-        n = None if qbuf is None else min(qbuf.shape[2], max(_BUCKET, 1 << max(n_steps - 1, 0).bit_length()))
+        args = (self.method, self._accounted_index(), self._state["k"])
+        blocks = _block_counts_jit(*args, caps, q_valid)
+        steps = None
+        if qbuf is not None:
+            steps = _step_counts_jit(*args, qbuf, min(qbuf.shape[2], max(_BUCKET, 1 << max(n_steps - 1, 0).bit_length())))
         # a few arrays, read together and sliced on the host: sliced on the device and read layer by layer,
         # an answer's accounting took 119 ms in an H200 trace of the 8B shape, 50 of them in 192 device
         # slices (benchmarks/results/gpu_h200_follow_up/probe_c73b37d/; now benchmarks/results/gpu_h200_ask_call/)
-        return jax.device_get(_lookup_counts_jit(self.method, self._accounted_index(), self._state["k"], caps,
-                                                 q_valid, qbuf, n_steps=n))
+        return jax.device_get((blocks, steps))
 
     def _accounted_index(self):
         """The index `_lookup_counts` re-runs the lookup with: the one the timed path selected with.
@@ -1035,32 +1038,39 @@ def _stack_row0(layers):
     return jnp.stack([x[0] for x in layers])
 
 
-@functools.partial(jax.jit, static_argnames=("method", "n_steps"))
-def _lookup_counts_jit(method, index, k_fixed, caps, q_valid, qbuf, n_steps=None):
-    """`FixedContext._lookup_counts` on the device: per group (blocks, steps), the rows each lookup reads
-    at each layer, as three arrays (kv_rows [layers, S, Hs, Ts] x2, overflow [layers, S, Hs]): a few
-    transfers, where one per layer and array took ~16 ms on an H200. The selections' masks and positions
-    are not outputs, so they compile away (and with a capacity that holds every key, so does Squeezed's
-    sort)."""
-    def counts(q, q_pre, q_valid):                         # [layers, S, Hq, T, d] x2, [S, T] or None
-        out = []
-        for layer in range(q.shape[0]):
-            def one(qs, qps, qv, layer=layer):
-                sel = method.select(index, layer, qs, qps, k_fixed[layer], q_valid=qv)
-                return sel.kv_rows, sel.meta_rows, sel.overflow
-            out.append(jax.vmap(one, in_axes=(0, 0, None if q_valid is None else 0))(q[layer], q_pre[layer], q_valid))
-        # a dense layer's one column (Ts = 1) repeated to a per-token layer's T: the accounting averages
-        # a layer's columns, so its figures are the same
-        ts = max(r.shape[-1] for r, _, _ in out)
-        wide = lambda x: jnp.broadcast_to(x, x.shape[:-1] + (ts,))   # noqa: E731
-        return (jnp.stack([wide(r) for r, _, _ in out]), jnp.stack([wide(m) for _, m, _ in out]),
-                jnp.stack([o for _, _, o in out]))
+def _counts(method, index, k_fixed, q, q_pre, q_valid):
+    """The rows each lookup reads at each layer: q, q_pre [layers, S, Hq, T, d], q_valid [S, T] or None ->
+    (kv_rows [layers, S, Hs, Ts], meta_rows [layers, S, Hs, Ts], overflow [layers, S, Hs]). The
+    selections' masks and positions are not outputs, so they compile away (and with a capacity that
+    holds every key, so does Squeezed's sort)."""
+    out = []
+    for layer in range(q.shape[0]):
+        def one(qs, qps, qv, layer=layer):
+            sel = method.select(index, layer, qs, qps, k_fixed[layer], q_valid=qv)
+            return sel.kv_rows, sel.meta_rows, sel.overflow
+        out.append(jax.vmap(one, in_axes=(0, 0, None if q_valid is None else 0))(q[layer], q_pre[layer], q_valid))
+    # stacked (a few transfers, where one per layer and array took ~16 ms on an H200); a dense layer's one
+    # column (Ts = 1) repeated to a per-token layer's T: the accounting averages a layer's columns
+    ts = max(r.shape[-1] for r, _, _ in out)
+    wide = lambda x: jnp.broadcast_to(x, x.shape[:-1] + (ts,))   # noqa: E731
+    return (jnp.stack([wide(r) for r, _, _ in out]), jnp.stack([wide(m) for _, m, _ in out]),
+            jnp.stack([o for _, _, o in out]))
 
-    blocks = [jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")]  # [layers, B, Hq, T, d]
-    if qbuf is None:
-        return counts(*blocks, q_valid), None
-    steps = [x[:, :n_steps].reshape(x.shape[0], -1, *x.shape[3:]) for x in (qbuf[0], qbuf[-1])]   # [layers, n * B, ...]
-    return counts(*blocks, q_valid), counts(*steps, None)
+
+# two programs, each compiled for its own shapes: the blocks' per question length, the steps' per batch
+# and step bucket (one program for both compiled again for every pair)
+@functools.partial(jax.jit, static_argnames=("method",))
+def _block_counts_jit(method, index, k_fixed, caps, q_valid):
+    """`_counts` of every row's question block: caps per layer {"q", "q_pre": [B, T, Hq, d]}, q_valid [B, T]."""
+    q, q_pre = [jnp.stack([jnp.swapaxes(c[name], 1, 2) for c in caps]) for name in ("q", "q_pre")]
+    return _counts(method, index, k_fixed, q, q_pre, q_valid)                 # S = B lookups
+
+
+@functools.partial(jax.jit, static_argnames=("method", "n_steps"))
+def _step_counts_jit(method, index, k_fixed, qbuf, n_steps):
+    """`_counts` of the first n_steps decode steps of every row: qbuf [K, layers, n, B, Hq, 1, d]."""
+    q, q_pre = [x[:, :n_steps].reshape(x.shape[0], -1, *x.shape[3:]) for x in (qbuf[0], qbuf[-1])]
+    return _counts(method, index, k_fixed, q, q_pre, None)                   # S = n_steps * B: step i, row b at i * B + b
 
 
 def _selections(counts, lookups, keep=None) -> list[Selection]:

@@ -75,13 +75,13 @@ def test_stats_of_an_early_stop_look_up_only_the_steps_fed(ctx, monkeypatch):
     free = ctx.ask(QUESTIONS[0], max_new_tokens=5, stop_ids=())
     stop = free.token_ids[2]
     seen = []
-    real = fc._lookup_counts_jit
+    real = fc._step_counts_jit
 
-    def spy(*a, **k):
-        seen.append((a[5].shape[2], k["n_steps"]))           # qbuf's step slots, the steps looked up
-        return real(*a, **k)
+    def spy(method, index, k, qbuf, n_steps):
+        seen.append((qbuf.shape[2], n_steps))                 # qbuf's step slots, the steps looked up
+        return real(method, index, k, qbuf, n_steps)
 
-    monkeypatch.setattr(fc, "_lookup_counts_jit", spy)
+    monkeypatch.setattr(fc, "_step_counts_jit", spy)
     long = ctx.ask(QUESTIONS[0], max_new_tokens=64, stop_ids=(stop,))
     assert long.token_ids == free.token_ids[:3] and seen == [(64, 16)]
     _same_answer(long, ctx.ask(QUESTIONS[0], max_new_tokens=4, stop_ids=(stop,)))

@@ -538,8 +538,8 @@ def test_gpu_route_accounts_every_selected_row(model):
 
 
 def test_routed_accounting_compiles_without_a_sort(model):
-    """An answer's accounting re-runs the lookups for their counts only, every row's block and steps in
-    one program: on the GPU routes (the capacity lifted) it compiles with no sort; the library route,
+    """An answer's accounting re-runs the lookups for their counts only (every row's blocks in one
+    program, the steps in another): on the GPU routes (the capacity lifted) it compiles with no sort; the library route,
     whose capacity can cut the selection, keeps it (the count then depends on the scores' order)."""
     ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.5, n_sink=1, capacity_fraction=0.05), chat=False)
     cfg = model.config
@@ -554,14 +554,16 @@ def test_routed_accounting_compiles_without_a_sort(model):
         ctx._hook = dataclasses.replace(ctx._hook, backend="reference" if route == "library" else "interpret")
         ctx._state = state
         index = ctx._accounted_index()
-        args = (ctx.method, index, ctx._state["k"], caps, valid, qbuf)
-        compiled[route] = fc._lookup_counts_jit.lower(*args).compile()
-        counts = fc._lookup_counts_jit(*args)
+        args = (ctx.method, index, ctx._state["k"])
+        compiled[route] = [fc._block_counts_jit.lower(*args, caps, valid).compile().as_text(),
+                           fc._step_counts_jit.lower(*args, qbuf, 4).compile().as_text()]
         n = cfg.num_layers                                                     # [layers, S, Hs, Ts]:
-        assert [x.shape for x in counts[0]] == [(n, 2, 2, 1), (n, 2, 2, 1), (n, 2, 2)]   # 2 blocks
-        assert [x.shape for x in counts[1]] == [(n, 8, 2, 1), (n, 8, 2, 1), (n, 8, 2)]   # 4 steps x 2 rows
-    assert " sort(" in compiled["library"].as_text()
-    assert " sort(" not in compiled["routed"].as_text()
+        counts = fc._block_counts_jit(*args, caps, valid)
+        assert [x.shape for x in counts] == [(n, 2, 2, 1), (n, 2, 2, 1), (n, 2, 2)]   # 2 blocks
+        counts = fc._step_counts_jit(*args, qbuf, 4)
+        assert [x.shape for x in counts] == [(n, 8, 2, 1), (n, 8, 2, 1), (n, 8, 2)]   # 4 steps x 2 rows
+    assert all(" sort(" in text for text in compiled["library"])
+    assert not any(" sort(" in text for text in compiled["routed"])
 
 
 def test_full_attention_gpu_path_equals_reference(model):
