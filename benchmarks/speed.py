@@ -812,7 +812,7 @@ _ASK_TIMED_CALLS = 5   # `ask` calls timed after the first (which compiles; the 
 
 
 # the parts of an `ask` call after its last token that `_timed_asks` times: the accounting's lookups
-# (re-run for the KV-budget stats, read back in one transfer) and the host's budget arithmetic per answer
+# (re-run for the KV-budget stats, its few arrays read back together) and the host's budget arithmetic per answer
 _AFTER_LAST_TOKEN = {"accounting_s": "_lookup_counts", "stats_s": "_stats"}
 
 
