@@ -1,7 +1,7 @@
-"""Load a Llama-family model from a GGUF file with the `gguf` package (no torch, no llama.cpp).
+"""Load a Llama-family model from a GGUF file (no torch, no llama.cpp).
 
-Every tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0/Q4_1/Q8_0,
-K-quants: whatever gguf-py supports) to float32. llama.cpp's ``convert_hf_to_gguf`` permutes
+`models.gguf_file` reads the container; every tensor is dequantized with ``gguf.quants.dequantize``
+(F32, F16, BF16, Q4_0/Q4_1/Q8_0, K-quants: whatever gguf-py supports) to float32. llama.cpp's ``convert_hf_to_gguf`` permutes
 the rows of ``attn_q``/``attn_k`` of ``llama`` models (its rotary kernel rotates adjacent
 pairs, HF rotates halves); `unpermute_qk` undoes it so the HF ``rotate_half`` RoPE applies.
 The tokenizer and chat template come from the GGUF metadata.
@@ -13,21 +13,15 @@ one-line message names the file and says what to do.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from .config import LlamaConfig
+from .gguf_file import MAGIC as GGUF_MAGIC, GGUFFile, GGUFFormatError
 from .model_files import ModelFileError, one_line
 from .tokenizer import Tokenizer
 from .weights import build_from_hf_tensors
-
-
-GGUF_MAGIC = b"GGUF"
-# what gguf-py raises on malformed bytes (UnicodeDecodeError is a ValueError); anything else
-# (TypeError, AttributeError, ...) is a bug and stays visible
-_GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, OverflowError)
 
 
 # GGUF name -> HF name (per layer names use {i})
@@ -79,31 +73,10 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf_metadata(reader) -> dict[str, Any]:
-    """GGUF key/values as Python values (strings, numbers, lists)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta
-
-
-def dequantize_tensor(t) -> np.ndarray:
-    """float32 numpy array in numpy order (GGUF dims reversed), e.g. [out, in] for weights."""
-    import gguf
-
-    arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    shape = tuple(int(x) for x in reversed(list(t.shape)))
-    return np.asarray(arr, dtype=np.float32).reshape(shape)
-
-
-def open_gguf(path: Path):
-    """``(GGUFReader, metadata)`` of ``path``; `ModelFileError` for an empty, foreign, truncated or
-    corrupted file. gguf-py maps the file and shapes every tensor's bytes while parsing, so a
-    cut-off download fails here, before any weight is dequantized."""
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
+    """The `GGUFFile` at ``path``; `ModelFileError` for an empty, foreign, truncated or corrupted
+    file. Every tensor's bytes are checked to lie inside the file while it opens, so a cut-off
+    download fails here, before any weight is dequantized."""
     size = path.stat().st_size
     if size == 0:
         raise ModelFileError(f"{path} is empty (0 bytes), not a GGUF model; re-download it")
@@ -115,14 +88,12 @@ def open_gguf(path: Path):
             "pass a .gguf model file, or re-download it if it should be one"
         )
     try:
-        reader = gguf.GGUFReader(str(path))
-        meta = read_gguf_metadata(reader)
-    except _GGUF_READ_ERRORS as e:
+        return GGUFFile(path)
+    except GGUFFormatError as e:
         raise ModelFileError(
             f"{path} is not a readable GGUF model ({size} bytes; truncated or corrupted: {one_line(e)}); "
             "re-download it"
         ) from e
-    return reader, meta
 
 
 def load_gguf(path: str | Path, dtype=jnp.float32):
@@ -133,12 +104,12 @@ def load_gguf(path: str | Path, dtype=jnp.float32):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader, meta = open_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
+    gguf_file = open_gguf(path)
+    meta, tensors = gguf_file.metadata, gguf_file.tensors
     arch = str(meta.get("general.architecture", ""))
     rope_factors = None
     if "rope_freqs.weight" in tensors:
-        rope_factors = tuple(float(x) for x in dequantize_tensor(tensors["rope_freqs.weight"]).ravel())
+        rope_factors = tuple(float(x) for x in gguf_file.dequantize("rope_freqs.weight").ravel())
     config = LlamaConfig.from_gguf_metadata(
         meta, tensor_names=set(tensors), rope_freq_factors=rope_factors, name=path.stem
     )
@@ -158,7 +129,7 @@ def load_gguf(path: str | Path, dtype=jnp.float32):
     permuted = arch in _PERMUTED_ARCHS
 
     def get_tensor(hf_name: str) -> np.ndarray:
-        w = dequantize_tensor(tensors[hf_to_gguf[hf_name]])
+        w = gguf_file.dequantize(hf_to_gguf[hf_name])
         if permuted and (".q_proj." in hf_name):
             w = unpermute_qk(w, config.num_heads)
         elif permuted and (".k_proj." in hf_name):

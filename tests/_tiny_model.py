@@ -21,14 +21,11 @@ from models.weights import _assignments
 
 @lru_cache(maxsize=1)
 def smollm2_tokenizer():
-    import gguf
-
     from models import embedded_gguf_path
-    from models.load_gguf import read_gguf_metadata
+    from models.gguf_file import GGUFFile
     from models.tokenizer import Tokenizer
 
-    reader = gguf.GGUFReader(str(embedded_gguf_path()))
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(reader), name="smollm2-tokenizer")
+    return Tokenizer.from_gguf_metadata(GGUFFile(embedded_gguf_path()).metadata, name="smollm2-tokenizer")
 
 
 def tiny_config(max_positions: int = 2048) -> LlamaConfig:
