@@ -1,6 +1,7 @@
 """`models.gguf_file` against gguf-py's own reader: the same metadata (values and Python types) and
 the same dequantized tensors; malformed bytes raise `GGUFFormatError` naming the place."""
 
+import json
 import struct
 
 import gguf
@@ -145,3 +146,14 @@ def test_embedded_model_metadata_equals_gguf_reader():
     assert {t.name: t.data.nbytes for t in reader.tensors} == {n: t.n_bytes for n, t in f.tensors.items()}
     t = reader.tensors[0]
     np.testing.assert_array_equal(f.raw(t.name).ravel(), np.asarray(t.data).view(np.uint8).ravel())
+
+
+@needs_embedded_model
+def test_load_benchmark_writes_json_and_markdown(tmp_path, capsys):
+    from benchmarks.gguf_load import main
+
+    assert main(["--reps", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gguf_load.json").read_text())
+    assert {"device", "jax", "git_commit", "model", "median_s"} <= res.keys() and res["n_tensors"] == 272
+    assert len(res["median_s"]) == 3 and all(v > 0 for v in res["median_s"].values())
+    assert (tmp_path / "gguf_load.md").read_text() in capsys.readouterr().out
