@@ -18,6 +18,7 @@ never a huge allocation or a silent short read.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -161,7 +162,7 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensor] = {}
         for name, dims, ggml_type, rel in infos:
             block, type_size = _quant_sizes(ggml_type)
-            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            n = math.prod(dims)  # Python ints: corrupt dims cannot wrap around to a small size
             if dims and dims[0] % block:
                 raise GGUFFormatError(f"tensor {name!r}'s rows ({dims[0]}) are not whole blocks of {block}")
             n_bytes = n // block * type_size
@@ -176,7 +177,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as uint8 [rows, bytes per row] (what ``gguf.quants.dequantize`` takes)."""
         t = self.tensors[name]
-        rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        rows = math.prod(t.shape[:-1])
         return np.frombuffer(self._map, np.uint8, t.n_bytes, t.offset).reshape(rows, -1)
 
     def dequantize(self, name: str) -> np.ndarray:

@@ -1,9 +1,10 @@
 """Load a Llama-family model from a GGUF file (no torch, no llama.cpp).
 
-`models.gguf_file` reads the container; every tensor is dequantized with ``gguf.quants.dequantize``
-(F32, F16, BF16, Q4_0/Q4_1/Q8_0, K-quants: whatever gguf-py supports) to float32. llama.cpp's ``convert_hf_to_gguf`` permutes
-the rows of ``attn_q``/``attn_k`` of ``llama`` models (its rotary kernel rotates adjacent
-pairs, HF rotates halves); `unpermute_qk` undoes it so the HF ``rotate_half`` RoPE applies.
+`models.gguf_file` reads the container; every tensor is dequantized with
+``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0/Q4_1/Q8_0, K-quants: whatever gguf-py supports)
+to float32. llama.cpp's ``convert_hf_to_gguf`` permutes the rows of ``attn_q``/``attn_k`` of
+``llama`` models (its rotary kernel rotates adjacent pairs, HF rotates halves); `unpermute_qk`
+undoes it so the HF ``rotate_half`` RoPE applies.
 The tokenizer and chat template come from the GGUF metadata.
 
 An empty, foreign, truncated or corrupted file raises `ModelFileError` (a ``ValueError``) whose
