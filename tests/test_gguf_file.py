@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from _embedded import needs_embedded_model  # tests/ is on sys.path under pytest
+from _gguf_write import encode, finish
 from models.gguf_file import GGUFFile, GGUFFormatError
 from models.load_gguf import open_gguf
 from models.model_files import ModelFileError
@@ -49,15 +50,10 @@ def _write(path, rng, *, alignment=None):
     shapes = {"a": (3, 64), "b": (5, 96), "c": (64,), "d": (2, 3, 32), "e": (4, 256)}
     types = {"a": QT.F32, "b": QT.F16, "c": QT.F32, "d": QT.Q8_0, "e": QT.Q4_1}
     for name, shape in shapes.items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        qt = types[name]
-        data = x if qt == QT.F32 else x.astype(np.float16) if qt == QT.F16 else gguf.quants.quantize(x, qt)
-        stored[name] = (shape, qt)
-        w.add_tensor(name, data, raw_dtype=None if qt in (QT.F32, QT.F16) else qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        data, raw_dtype, _ = encode(rng.standard_normal(shape).astype(np.float32), types[name])
+        stored[name] = (shape, types[name])
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    finish(w)
     return stored
 
 

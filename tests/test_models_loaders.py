@@ -16,7 +16,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
-from gguf import quants
 from safetensors.numpy import save_file
 
 import models.registry as registry
@@ -24,6 +23,7 @@ from models import LlamaConfig, MissingModelPackageError, load_model
 from models.load_gguf import ModelFileError, permute_qk, unpermute_qk
 
 from _embedded import needs_embedded_model  # tests/ is on sys.path under pytest
+from _gguf_write import encode, finish
 
 L, D, F, HQ, HKV, HD, THETA, EPS = 2, 64, 128, 4, 2, 16, 10000.0, 1e-5
 
@@ -275,24 +275,13 @@ def _write_gguf(path, t, *, arch="llama", drop=()):
         data = arr
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             data = permute_qk(arr, HQ if ".q_proj." in hf else HKV)
-        qt = _QUANT.get(name, QT.F32)
-        if qt == QT.F32:
-            deq = data
-        elif qt == QT.F16:
-            data = data.astype(np.float16)
-            deq = data.astype(np.float32)
-        else:
-            data = quants.quantize(data, qt)
-            deq = quants.dequantize(data, qt)
+        data, raw_dtype, deq = encode(data, _QUANT.get(name, QT.F32))
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             deq = unpermute_qk(deq, HQ if ".q_proj." in hf else HKV)
         stored[hf] = deq.astype(np.float32)
         if name not in drop:
-            w.add_tensor(name, data, raw_dtype=None if qt in (QT.F32, QT.F16) else qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            w.add_tensor(name, data, raw_dtype=raw_dtype)
+    finish(w)
     return stored
 
 
