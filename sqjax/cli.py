@@ -291,17 +291,43 @@ def _check_generation_options(args) -> None:
         raise SqjaxError(str(e)) from None
 
 
-def _load_context(args):
-    """The index of `ask` / `chat` with its model, loaded (and compiled) once for every question."""
-    from sqjax.fixed_context import FixedContext, SqjaxError
+def _index_header(args) -> dict:
+    """The header of `ask` / `chat`'s index (read without its arrays)."""
+    from sqjax.fixed_context import SqjaxError
     from sqjax.index_io import IndexFileError, read_header
 
-    path = Path(args.index)
     try:
-        header = read_header(path)
+        return read_header(Path(args.index))
     except IndexFileError as e:
         raise SqjaxError(str(e)) from None
-    return FixedContext.load(path, _index_model(path, header, args.model))
+
+
+def _load_context(args):
+    """The index of `ask` / `chat` with its model, loaded (and compiled) once for every question."""
+    from sqjax.fixed_context import FixedContext
+
+    path = Path(args.index)
+    return FixedContext.load(path, _index_model(path, _index_header(args), args.model))
+
+
+def _session_turns(args) -> list | None:
+    """`chat --session FILE`'s saved turns ([] for a new file; None without --session), checked
+    before the model loads: a file there must be a conversation about the index's document."""
+    from sqjax.conversation_file import ConversationFileError, read_conversation
+    from sqjax.fixed_context import SqjaxError
+
+    if args.session is None:
+        return None
+    path = Path(args.session)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise SqjaxError(f"--session: directory {str(parent)!r} does not exist; create it first")
+    if not path.exists():
+        return []
+    try:
+        return read_conversation(path, _index_header(args)["document"]["sha256"])
+    except ConversationFileError as e:
+        raise SqjaxError(f"--session: {e}") from None
 
 
 def _sampling(args) -> dict:
@@ -356,13 +382,27 @@ def cmd_chat(args) -> int:
     the earlier questions and answers; "/undo" forgets the last turn, "/reset" starts a new
     conversation. A follow-up prefills only its new tokens (`Conversation`'s kept K/V). A question
     that fails (too long for what is left of the context, ...) prints its error and the conversation
-    goes on."""
+    goes on. With --session FILE the turns are read from FILE when it exists and written back to it
+    (atomically, as text) after every answer, /undo and /reset."""
     from sqjax.fixed_context import SqjaxError
 
     _check_generation_options(args)
-    conv = _load_context(args).conversation()
+    saved = _session_turns(args)
+    conv = _load_context(args).conversation(history=saved)
+    if saved and not args.json:
+        print(f"[resumed: {len(saved)} turn{'s' if len(saved) > 1 else ''} from {args.session}]", flush=True)
     tty = sys.stdin.isatty()
     failed = 0
+
+    def save() -> int:   # -> errors (0 / 1); the conversation goes on either way
+        if args.session is None:
+            return 0
+        try:
+            conv.save(args.session)
+        except (SqjaxError, OSError) as e:
+            print(f"sqjax: error: --session: {e}", file=sys.stderr, flush=True)
+            return 1
+        return 0
     while True:
         if tty:
             print("> ", end="", file=sys.stderr, flush=True)
@@ -374,6 +414,7 @@ def cmd_chat(args) -> int:
             continue
         if question == "/reset":
             conv.reset()
+            failed += save()
             if not args.json:
                 print("[new conversation]")
             continue
@@ -384,6 +425,7 @@ def cmd_chat(args) -> int:
                 failed += 1
                 print(f"sqjax: error: {e}", file=sys.stderr, flush=True)
                 continue
+            failed += save()
             if not args.json:
                 print(f"[undone: {undone}]")
             continue
@@ -395,6 +437,7 @@ def cmd_chat(args) -> int:
             print(f"sqjax: error: {str(e).replace('start a new conversation', 'start a new conversation (/reset)')}",
                   file=sys.stderr, flush=True)
             continue
+        failed += save()
         if args.json:
             print(_answer_json(question, ans, turn=len(conv.history)), flush=True)
         else:
@@ -493,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(c)
     c.add_argument("index")
     c.add_argument("--model", default=None, help="the model the index was built with (default smollm2-135m)")
+    c.add_argument("--session", default=None, metavar="FILE",
+                   help="keep the conversation in FILE (JSON text): go on from its turns when it exists, write it "
+                        "again after every answer, /undo and /reset")
     generation(c)
     c.set_defaults(fn=cmd_chat)
 

@@ -558,13 +558,25 @@ class FixedContext:
         text = "".join(t + p for t, p in zip(template, pieces)) + rest
         return np.asarray(tok.encode(text, add_bos=False), np.int32)
 
-    def conversation(self, reuse_cache: bool = True) -> "Conversation":
+    def conversation(self, reuse_cache: bool = True, history=None) -> "Conversation":
         """A conversation about the document: each question sees the earlier questions and answers;
-        with reuse_cache a follow-up prefills only its new tokens (see `Conversation`)."""
+        with reuse_cache a follow-up prefills only its new tokens (see `Conversation`). history:
+        earlier turns [(question, answer), ...] to go on from (the first question prefills them)."""
         if not self.chat:
             raise SqjaxError("a conversation needs the chat template: this context was built with chat=False "
                              "(--raw); build it with the template, or ask questions one by one")
-        return Conversation(self, reuse_cache)
+        return Conversation(self, reuse_cache, history)
+
+    def load_conversation(self, path, reuse_cache: bool = True) -> "Conversation":
+        """The conversation `Conversation.save` wrote to `path`, about this context's document, to go
+        on from (its turns are text: the first question prefills them again)."""
+        from sqjax.conversation_file import ConversationFileError, read_conversation
+
+        try:
+            turns = read_conversation(path, self.doc_sha256)
+        except ConversationFileError as e:
+            raise SqjaxError(str(e)) from None
+        return self.conversation(reuse_cache, _check_history(turns, f"the conversation in {str(path)!r}"))
 
     def check_questions(self, questions, max_new_tokens: int = 64, temperature: float = 0.0,
                         top_p: float = 1.0, histories=None) -> list[np.ndarray]:
@@ -853,13 +865,25 @@ class Conversation:
     answer can differ slightly from `ask(..., history=...)`'s, which prefills the whole conversation
     in one block (selections of the fixed context are made per block). With reuse_cache=False each
     question prefills the whole conversation again (and answers exactly as `ask(history=...)`).
-    The kept K/V hold device memory for the conversation's tokens until `reset()`."""
+    The kept K/V hold device memory for the conversation's tokens until `reset()`. `history`: turns
+    to go on from (their K/V are computed with the first question); `save` / `FixedContext.load_conversation`
+    keep the turns in a file (`sqjax.conversation_file`)."""
 
-    def __init__(self, context: FixedContext, reuse_cache: bool = True):
+    def __init__(self, context: FixedContext, reuse_cache: bool = True, history=None):
         self.context = context
         self.reuse_cache = reuse_cache
-        self.history: list[tuple[str, str]] = []   # (question, answer) turns, oldest first
+        self.history: list[tuple[str, str]] = list(_check_history(history))   # (question, answer) turns, oldest first
         self._turn: _TurnCache | None = None      # the last prompt and answer's K/V (reuse_cache)
+
+    def save(self, path) -> None:
+        """Write the turns (text, with the document's sha256) atomically to `path` as JSON; a file
+        there that is not a conversation file is not overwritten (SqjaxError)."""
+        from sqjax.conversation_file import ConversationFileError, write_conversation
+
+        try:
+            write_conversation(path, self.context.doc_sha256, self.history)
+        except ConversationFileError as e:
+            raise SqjaxError(f"{e}; it is not overwritten") from None
 
     def ask(self, question: str, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
             seed: int = 0, on_token: Callable[[str], Any] | None = None, stop_ids=None) -> Answer:

@@ -270,6 +270,56 @@ def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_
     assert code != 0 and not out and "needs the chat template" in _error_line(err)
 
 
+def test_chat_session_file_keeps_the_conversation(capsys, monkeypatch, model_dir, doc_file, tmp_path):
+    """`chat --session FILE`: the turns are written to FILE after every answer, /undo and /reset, and a
+    later chat goes on from them (its first question prefills them: `ask(history=...)`'s answer). A
+    FILE that is not a conversation about the index's document is an error before the model loads,
+    and is left as it was."""
+    import io
+
+    from sqjax.conversation_file import write_conversation
+
+    idx = tmp_path / "s.sqx"
+    assert main(["index", str(doc_file), "-o", str(idx), "--model", model_dir, "--sparsity", "0.8", "--json"]) == 0
+    capsys.readouterr()
+    session = tmp_path / "s.json"
+    qs = ["Which valve was serviced in room 3?", "And in room 4?"]
+
+    def chat(stdin, *extra):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        return _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "3", "--session",
+                    str(session), *extra)
+
+    code, out, err = chat(qs[0] + "\n", "--json")
+    assert code == 0, err
+    first = json.loads(out)
+    assert json.loads(session.read_text())["turns"] == [[qs[0], first["answer"]]]
+    code, out, err = chat(qs[1] + "\n", "--json")
+    assert code == 0, err
+    second = json.loads(out)
+    assert second["turn"] == 2 and second["stats"]["n_reused_tokens"] == 0   # the saved turn prefilled again
+    ctx = FixedContext.load(idx, sqjax.load_model(model_dir))
+    assert second["token_ids"] == ctx.ask(qs[1], max_new_tokens=3, history=[(qs[0], first["answer"])]).token_ids
+    assert [t[0] for t in json.loads(session.read_text())["turns"]] == qs
+    code, out, err = chat("/undo\n")
+    assert code == 0 and out.startswith("[resumed: 2 turns from ") and f"[undone: {qs[1]}]" in out
+    assert [t[0] for t in json.loads(session.read_text())["turns"]] == qs[:1]
+    code, out, err = chat("/reset\n")
+    assert code == 0 and json.loads(session.read_text())["turns"] == []
+    # files it must not use: named, untouched, nothing answered
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    other = tmp_path / "other.json"
+    write_conversation(other, "0" * 64, [("q", "a")])
+    for path, message in [(notes, "is not a sqjax conversation file"), (other, "about another document"),
+                          (tmp_path / "no" / "s.json", "does not exist; create it first"), (idx, "not JSON")]:
+        before = path.read_bytes() if path.exists() else None
+        monkeypatch.setattr(sys, "stdin", io.StringIO(qs[0] + "\n"))
+        code, out, err = _run(capsys, "chat", str(idx), "--model", "nowhere", "--session", str(path))
+        assert code == 2 and not out and message in _error_line(err) and "--session" in err, (path, err)
+        assert (path.read_bytes() if path.exists() else None) == before
+
+
 @pytest.mark.parametrize("argv,message", [
     (("--temperature", "-1"), "--temperature must be a finite number >= 0"),
     (("--top-p", "0"), "--top-p must lie in (0, 1]"),

@@ -1,6 +1,8 @@
 """Follow-up questions: `ask(..., history=...)`, `ask_many(..., histories=...)` and `Conversation`
 on the tiny model with the real SmolLM2 tokenizer and chat template."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -396,3 +398,72 @@ def test_bad_histories_are_named(model, full_ctx, sq_ctx, monkeypatch):
     monkeypatch.setattr(tok, "_compiled_template", None)
     with pytest.raises(SqjaxError, match="drops or reorders a conversation's turns"):
         full_ctx._question_ids("Rope?", tuple(HISTORY))
+
+
+def test_a_saved_conversation_goes_on_where_it_stopped(sq_ctx, full_ctx, tmp_path):
+    """`Conversation.save` writes the turns as JSON text (atomically); `load_conversation` goes on from
+    them: its first question prefills them (the answer `ask(history=...)` gives), later ones reuse
+    their K/V; `conversation(history=...)` starts from given turns the same way."""
+    conv = sq_ctx.conversation()
+    a1 = conv.ask("Where are the lamps?", max_new_tokens=4, stop_ids=())
+    path = tmp_path / "chat.json"
+    conv.save(path)
+    saved = json.loads(path.read_text(encoding="ascii"))
+    assert saved == {"format": "sqjax-conversation", "version": 1, "document_sha256": sq_ctx.doc_sha256,
+                     "turns": [["Where are the lamps?", str(a1)]]}
+    resumed = sq_ctx.load_conversation(path)
+    assert resumed.history == conv.history and resumed.reuse_cache
+    q2, q3 = "And the glue?", "Which aisle holds the rope?"
+    a2 = resumed.ask(q2, max_new_tokens=4, stop_ids=())
+    assert a2.token_ids == sq_ctx.ask(q2, max_new_tokens=4, history=conv.history, stop_ids=()).token_ids
+    assert a2.stats.n_reused_tokens == 0
+    a3 = resumed.ask(q3, max_new_tokens=4, stop_ids=())
+    assert a3.stats.n_reused_tokens > 0 and len(resumed.history) == 3
+    started = sq_ctx.conversation(history=HISTORY)
+    assert started.history == HISTORY
+    assert started.ask(q3, max_new_tokens=4, stop_ids=()).token_ids == \
+        sq_ctx.ask(q3, max_new_tokens=4, history=HISTORY, stop_ids=()).token_ids
+    # text the model wrote is kept exactly, whatever it holds (the file itself stays ASCII)
+    odd = [("Wo sind die Lampen? ✓", 'Gang 0. "quoted" \\ <|im_end|>\n'), ("und?", "")]
+    sq_ctx.conversation(history=odd).save(path)
+    assert path.read_bytes().isascii() and sq_ctx.load_conversation(path).history == odd
+    with pytest.raises(SqjaxError, match="turn 1 must be a .question, answer. pair"):
+        sq_ctx.conversation(history=[("Where?",)])
+
+
+def test_bad_conversation_files_are_named_and_left_alone(sq_ctx, full_ctx, model, tmp_path):
+    path = tmp_path / "chat.json"
+    full_ctx.conversation(history=HISTORY).save(path)
+    before = path.read_bytes()
+    doc2 = FixedContext.build(model, DOC + " Aisle 99 holds the clocks.", Full())
+    with pytest.raises(SqjaxError, match="a conversation about another document .* give the index it was saved with"):
+        doc2.load_conversation(path)
+    assert sq_ctx.load_conversation(path).history == HISTORY   # same document, another method: fine
+    for text, message in [
+        ("not json", "is not a sqjax conversation file .not JSON"),
+        ('{"turns": []}', 'is not a sqjax conversation file .no "format"'),
+        ('{"format": "sqjax-conversation", "version": 7, "document_sha256": "x", "turns": []}',
+         "format version 7; this sqjax reads version 1"),
+        ('{"format": "sqjax-conversation", "version": 1, "document_sha256": null, "turns": []}',
+         'is damaged: its "document_sha256" is None'),
+        (json.dumps({"format": "sqjax-conversation", "version": 1, "document_sha256": sq_ctx.doc_sha256,
+                     "turns": [["q", 3]]}), 'is damaged: "turns" must be a list of'),
+        (json.dumps({"format": "sqjax-conversation", "version": 1, "document_sha256": sq_ctx.doc_sha256,
+                     "turns": [[" ", "a"]]}), "the question of turn 1 is empty"),
+    ]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(SqjaxError, match=message):
+            sq_ctx.load_conversation(bad)
+        # a file that is not a conversation file is never overwritten
+        if "not a sqjax conversation" in message:
+            with pytest.raises(SqjaxError, match="it is not overwritten"):
+                sq_ctx.conversation(history=HISTORY).save(bad)
+            assert bad.read_text() == text
+    with pytest.raises(FileNotFoundError):
+        sq_ctx.load_conversation(tmp_path / "none.json")
+    with pytest.raises(SqjaxError, match="is a directory"):
+        sq_ctx.load_conversation(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        sq_ctx.conversation().save(tmp_path / "no" / "chat.json")
+    assert path.read_bytes() == before
