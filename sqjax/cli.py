@@ -403,6 +403,7 @@ def cmd_chat(args) -> int:
             print(f"sqjax: error: --session: {e}", file=sys.stderr, flush=True)
             return 1
         return 0
+
     while True:
         if tty:
             print("> ", end="", file=sys.stderr, flush=True)
