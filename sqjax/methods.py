@@ -85,6 +85,11 @@ class Method:
         """
         if layer < self.dense_layers:
             return dense_selection(self.selection_heads(q.shape[0], k_fixed.shape[0]), k_fixed.shape[1])
+        return self.select_sparse(index, layer, q, q_pre, k_fixed, q_valid)
+
+    def select_sparse(self, index, layer, q, q_pre, k_fixed, q_valid=None) -> Selection:
+        """`select` at a layer past the dense ones; `layer` may be traced (an index into the stacked
+        index) unless the method `reads_keys`."""
         if q_valid is not None and self.block_level:
             return self._select(index, layer, q, q_pre, k_fixed, q_valid=q_valid)
         return self._select(index, layer, q, q_pre, k_fixed)
@@ -93,6 +98,9 @@ class Method:
     block_level: ClassVar[bool] = False
     #: True when every layer attends the whole fixed context (full attention)
     always_dense: ClassVar[bool] = False
+    #: True when a selection reads the fixed context's keys (not only its shape and the index): the
+    #: oracle. The others select with a traced `layer` (an index into the stacked index) too.
+    reads_keys: ClassVar[bool] = False
 
     def dense_at(self, layer: int) -> bool:
         """Whether `layer` attends the whole fixed context (its selection is `dense_selection`)."""
@@ -368,6 +376,8 @@ class Oracle(BudgetMethod):
         super().__post_init__()
         check_count("n_tail", self.n_tail, 0)
         check_choice("vote", self.vote, squeezed.VOTES)
+
+    reads_keys: ClassVar[bool] = True
 
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         length = k_fixed.shape[1]

@@ -701,3 +701,39 @@ def test_system_message_before_the_document(model, tmp_path, monkeypatch):
     monkeypatch.setattr(tok, "_compiled_template", None)
     with pytest.raises(SqjaxError, match="chat template does not take a system message .no system role."):
         FixedContext.build(model, DOC, Full(), system=system)
+
+
+def test_accounting_loops_over_the_sparse_layers_as_unrolled(rng):
+    """`_counts` runs the sparse layers (those after a method's dense ones) in one loop over the
+    stacked index, with a traced layer: every method's rows read and overflow equal those of the
+    layers unrolled (what a method that `reads_keys` gets), for a padded block and for decode steps."""
+    from _tiny_model import tiny_config
+
+    from models.llama import Llama
+    from models import LoadedModel
+    from flax import nnx
+
+    base = tiny_model()
+    cfg = dataclasses.replace(tiny_config(), num_layers=5)
+    model = LoadedModel(*nnx.split(Llama(cfg, rngs=nnx.Rngs(1))), cfg, base.tokenizer, source="tiny5")
+    full = FixedContext.build(model, DOC, Full(), chat=False)
+    methods = [Squeezed(sparsity=0.7, capacity_fraction=0.2), HierarchicalSqueezed(sparsity=0.7), Quest(budget=0.3),
+               SnapKV(budget=0.3), StreamingLLM(budget=0.3), Saap(probes=4)]
+    L, hq, d = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    q = jnp.asarray(rng.standard_normal((L, 2, hq, 6, d)), jnp.float32)          # [layers, S, Hq, T, d]
+    q_pre = jnp.asarray(rng.standard_normal((L, 2, hq, 6, d)), jnp.float32)
+    q_valid = jnp.asarray([[False, False, True, True, True, True], [True] * 6])
+    looped_any = False
+    for m in methods:
+        ctx = full.with_method(m)
+        unrolled = type("Unrolled", (type(m),), {"reads_keys": True})(
+            **{f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init})
+        first = next(i for i in range(L) if not m.dense_at(i))
+        looped_any |= first < L - 1
+        for args in ((q, q_pre, q_valid), (q[..., :1, :], q_pre[..., :1, :], None)):
+            got = jax.jit(fc._counts, static_argnums=0)(m, ctx.index, ctx._state["k"], *args)
+            want = jax.jit(fc._counts, static_argnums=0)(unrolled, ctx.index, ctx._state["k"], *args)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=m.label)
+            assert np.asarray(got[0])[first:].min() < full.n_tokens, m.label   # the sparse layers do select
+    assert looped_any
