@@ -1077,8 +1077,8 @@ def _counts(method, index, k_fixed, q, q_pre, q_valid):
         return jax.vmap(one, in_axes=(0, 0, None if q_valid is None else 0))(q_l, q_pre_l, q_valid)
 
     # The sparse layers (all after the dense ones) in one loop over the stacked index: compiled once, not
-    # once per layer (SmolLM2's 30 layers unrolled took 8.9 s to compile on the 2-core CPU, for every
-    # question length). A method that reads the keys themselves (the oracle) keeps the unrolled layers.
+    # once per layer (SmolLM2's 30 layers unrolled took 8.5 s to compile on the 2-core CPU, 1.1 s looped, for
+    # every question length: benchmarks/results/gpu_h200_ask_call/accounting_map_18ae739/cpu_compile_*.json). A method that reads the keys themselves (the oracle) keeps the unrolled layers.
     first = next((i for i in range(n_layers) if not method.dense_at(i)), n_layers)
     looped = first < n_layers - 1 and not method.reads_keys
     out = [layer_counts(i, k_fixed[i], q[i], q_pre[i]) for i in range(first if looped else n_layers)]
