@@ -153,6 +153,30 @@ def test_decode_step_compiles_once(model):
     assert sizes() == before
 
 
+def test_long_blocks_pad_to_a_few_lengths(model, monkeypatch, rng):
+    """Blocks beyond 128 tokens are left-padded to one of four lengths per doubling (one compiled
+    prefill per length), by less than 25%; the padding changes no score."""
+    from models.forward import forward_new_cache_jit
+
+    lengths = [fc._block_length(n) for n in range(1, 8193)]
+    assert lengths[:128] == [-(-n // 16) * 16 for n in range(1, 129)]   # short blocks: multiples of 16
+    assert all(m >= n and m % 16 == 0 and m - n < 256 for n, m in enumerate(lengths, 1))
+    assert all(m < 1.25 * n for n, m in enumerate(lengths, 1) if n > 128)
+    assert lengths == sorted(lengths) and len(set(lengths[128:2048])) == 16 and len(set(lengths[2048:])) == 24
+    assert [fc._block_length(n) for n in (129, 160, 161, 256, 257, 1000, 2049, 8348)] == [
+        160, 160, 192, 256, 320, 1024, 2304, 8448]
+
+    ctx = FixedContext.build(model, DOC, Squeezed(sparsity=0.8), chat=False)
+    texts = [rng.integers(100, 40000, size=n).astype(np.int32) for n in (141, 158)]   # 140 / 157 inputs -> 160
+    ctx.score_ids(texts[0])
+    before = forward_new_cache_jit._cache_size()
+    got = [ctx.score_ids(t) for t in texts]
+    assert forward_new_cache_jit._cache_size() == before            # both in the 160-token program
+    monkeypatch.setattr(fc, "_block_length", lambda n: -(-max(n, 1) // 16) * 16)   # 144 / 160 instead
+    for t, lp in zip(texts, got):
+        np.testing.assert_allclose(lp, ctx.score_ids(t), atol=2e-5)
+
+
 def test_prefills_and_steps_run_with_command_buffers(model, monkeypatch, rng):
     """A question's or a text's prefill (`forward_new_cache_jit`) and the one-token steps
     (`forward_jit`) all keep XLA's command buffers (the prefills ran without them until measured
