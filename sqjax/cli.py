@@ -340,6 +340,14 @@ def _answer_json(question: str, ans, **extra) -> str:
                   "stats": ans.stats.to_dict()})
 
 
+def _error(args, message: str, **fields) -> None:
+    """An error: one line on stderr ("sqjax: error: ..."); with --json also a JSON line on stdout
+    ({..fields, "error": message}), so that a program reading stdout sees it in its place."""
+    print(f"sqjax: error: {message}", file=sys.stderr, flush=True)
+    if getattr(args, "json", False):
+        print(dumps({**fields, "error": message}), flush=True)
+
+
 def _per_token(stats, unit: str = "ms") -> str:
     """An answer's time per output token, or what stands for it when the answer had no decode step."""
     t = stats.time_per_output_token_s
@@ -400,7 +408,7 @@ def cmd_chat(args) -> int:
         try:
             conv.save(args.session)
         except (SqjaxError, OSError) as e:
-            print(f"sqjax: error: --session: {e}", file=sys.stderr, flush=True)
+            _error(args, f"--session: {e}", command="save", turn=len(conv.history))
             return 1
         return 0
 
@@ -413,36 +421,37 @@ def cmd_chat(args) -> int:
         question = line.strip()
         if not question:
             continue
+        # with --json every command and question gets one line on stdout, in order: its answer,
+        # what it did, or its error (a save's error comes after)
         if question == "/reset":
             conv.reset()
+            print(dumps({"command": "/reset", "turn": 0}) if args.json else "[new conversation]", flush=True)
             failed += save()
-            if not args.json:
-                print("[new conversation]")
             continue
         if question == "/undo":
             try:
                 undone, _ = conv.undo()
             except SqjaxError as e:
                 failed += 1
-                print(f"sqjax: error: {e}", file=sys.stderr, flush=True)
+                _error(args, str(e), command="/undo", turn=len(conv.history))
                 continue
+            print(dumps({"command": "/undo", "undone": undone, "turn": len(conv.history)}) if args.json
+                  else f"[undone: {undone}]", flush=True)
             failed += save()
-            if not args.json:
-                print(f"[undone: {undone}]")
             continue
         stream = None if args.json else (lambda s: print(s, end="", flush=True))
         try:
             ans = conv.ask(question, on_token=stream, **_sampling(args))
         except SqjaxError as e:
             failed += 1
-            print(f"sqjax: error: {str(e).replace('start a new conversation', 'start a new conversation (/reset)')}",
-                  file=sys.stderr, flush=True)
+            _error(args, str(e).replace("start a new conversation", "start a new conversation (/reset)"),
+                   question=question, turn=len(conv.history))
             continue
-        failed += save()
         if args.json:
             print(_answer_json(question, ans, turn=len(conv.history)), flush=True)
         else:
             print("\n" + _stats_line(ans), flush=True)
+        failed += save()
 
 
 def cmd_eval(args) -> int:
@@ -591,8 +600,9 @@ def main(argv=None) -> int:
         if getattr(args, "debug", False):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"sqjax: error: {msg}", file=sys.stderr)
-        return 2 if isinstance(e, (ValueError, FileNotFoundError, ImportError, OSError)) else 1
+        code = 2 if isinstance(e, (ValueError, FileNotFoundError, ImportError, OSError)) else 1
+        _error(args, msg, exit_code=code)
+        return code
 
 
 if __name__ == "__main__":

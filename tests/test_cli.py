@@ -237,7 +237,16 @@ def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_
     code, out, err = _run(capsys, "chat", str(idx), "--model", model_dir, "--max-new-tokens", "4", "--json")
     assert code == 2 and err.count("sqjax: error: ") == 2 and "exceed the model's context" in err
     assert "start a new conversation (/reset)" in err and "no turn to undo" in err
-    rows = [json.loads(line) for line in out.strip().splitlines()]
+    # --json: one line per non-empty input line, in order (its answer, what a command did, or its error)
+    lines_out = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(lines_out) == 8
+    too_long_error = next(l for l in err.splitlines() if "exceed" in l).removeprefix("sqjax: error: ")
+    assert lines_out[2] == {"question": too_long.strip(), "turn": 2, "error": too_long_error}
+    assert "start a new conversation (/reset)" in lines_out[2]["error"]
+    assert lines_out[3] == {"command": "/undo", "undone": qs[1], "turn": 1}
+    assert lines_out[5] == {"command": "/reset", "turn": 0}
+    assert lines_out[6]["command"] == "/undo" and "no turn to undo" in lines_out[6]["error"]
+    rows = [r for r in lines_out if "answer" in r]
     assert [(r["question"], r["turn"]) for r in rows] == [(qs[0], 1), (qs[1], 2), (qs[3], 2), (qs[2], 1)]
     ctx = FixedContext.load(idx, sqjax.load_model(model_dir))
     conv = ctx.conversation()
@@ -268,6 +277,9 @@ def test_chat_is_one_conversation_per_stdin(capsys, monkeypatch, model_dir, doc_
     monkeypatch.undo()
     code, out, err = _run(capsys, "chat", str(raw), "--model", model_dir)
     assert code != 0 and not out and "needs the chat template" in _error_line(err)
+    # with --json the error is also a JSON line on stdout
+    code, out, err = _run(capsys, "chat", str(raw), "--model", model_dir, "--json")
+    assert json.loads(out) == {"exit_code": code, "error": _error_line(err)[len("sqjax: error: "):]} and code == 2
 
 
 def test_chat_session_file_keeps_the_conversation(capsys, monkeypatch, model_dir, doc_file, tmp_path):
