@@ -448,8 +448,9 @@ def test_ask_checks_every_question_and_option_first(capsys, model_dir, doc_file,
     context = sqjax.load_model(model_dir).config.max_position_embeddings
     too_long = "valve " * context
     code, out, err = _run(capsys, "ask", str(idx), "Which room?", too_long, "--model", model_dir, "--json")
-    assert code == 2 and not out   # the first question was not answered either
     assert "shorten question 2 of 2 or ask for fewer new tokens" in _error_line(err)
+    # the first question was not answered either: stdout holds the error's JSON line only
+    assert code == 2 and json.loads(out) == {"exit_code": 2, "error": _error_line(err).removeprefix("sqjax: error: ")}
     # one token: no decode step, so no time per output token; --json stays strict JSON (null, not NaN)
     code, out, err = _run(capsys, "ask", str(idx), "Which room?", "--model", model_dir, "--json",
                           "--max-new-tokens", "1")
