@@ -1185,11 +1185,14 @@ def _tokens_positions(ids: np.ndarray, start_pos: int) -> tuple[jax.Array, jax.A
 
 def _block_length(n: int) -> int:
     """The length an n-token block is left-padded to: a multiple of _BUCKET (16) up to 128 tokens, then
-    four steps per doubling (160, 192, 224, 256, 320, 384, ...) up to 2048, then multiples of 256. A
-    prefill compiles once per length; multiples of 16 made every 16 tokens of a long question, a text
-    to score or a conversation asked again with its history (`ask(history=...)`) a new program (20-34 s
-    for SmolLM2 on a 2-core CPU, 15-28 s for an 8B-shaped model on an H200: benchmarks/results/*_block_lengths/). Beyond 128 tokens a block gets less than 25% and at most 255 tokens
-    of padding; 129 to 2048 tokens take 16 programs instead of 120, 2049 to 8192 take 24 instead of 384."""
+    four steps per doubling (160, 192, 224, 256, 320, 384, ...) up to 2048, then multiples of 256.
+
+    A prefill compiles once per length. Multiples of 16 made every 16 tokens of a long question, a
+    text to score or a conversation asked again with its history (`ask(history=...)`) a new program:
+    20-34 s for SmolLM2 on a 2-core CPU, 15-28 s for an 8B-shaped model on an H200
+    (benchmarks/results/*_block_lengths/). Beyond 128 tokens a block gets less than 25% and at most
+    255 tokens of padding; 129 to 2048 tokens take 16 programs instead of 120, 2049 to 8192 take 24
+    instead of 384."""
     n = max(int(n), 1)
     step = min(256, max(_BUCKET, 1 << max((n - 1).bit_length() - 3, 0)))
     return -(-n // step) * step
