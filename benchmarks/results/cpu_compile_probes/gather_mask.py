@@ -6,7 +6,7 @@ from models.forward import forward_new_cache_jit
 from sqjax.fixed_context import _tokens_positions, _capacity
 def _select(self, index, layer, q, q_pre, k_fixed, q_valid=None):
     L = k_fixed.shape[1]; li = index.layer(layer)
-    s, touched = squeezed.layer_scores(li, q, *index.thresholds(q.shape[1]), scale=1/math.sqrt(q.shape[-1]), vote=self.vote, q_valid=q_valid) if False else squeezed.layer_scores(li, q, index.thresholds(q.shape[1])[1], 1/math.sqrt(q.shape[-1]), self.vote, q_valid)
+    s, touched = squeezed.layer_scores(li, q, index.thresholds(q.shape[1])[1], 1 / math.sqrt(q.shape[-1]), self.vote, q_valid)
     hs = s.shape[0]
     selected = (s > index.thresholds(q.shape[1])[0]) & squeezed.per_selection_head(li.counts > 0, hs)
     lab = squeezed.per_selection_head(li.labels, hs)
@@ -26,4 +26,3 @@ for hack in [False, True]:
     kw = dict(config=m.config, batch=1, capacity=_capacity(16+64), dtype=jnp.dtype(m.dtype), attn_fn=ctx._hook, attn_state=ctx._state, capture_last=None, logits="last")
     low = forward_new_cache_jit.lower(m.graphdef, m.state, tokens, positions, **kw)
     t=time.perf_counter(); c = low.compile(); print("hack", hack, "compile", round(time.perf_counter()-t,2), flush=True)
-    out = c(m.graphdef, m.state, tokens, positions, attn_state=ctx._state) if False else None
