@@ -472,8 +472,20 @@ def cmd_train(args) -> int:
     return train_main(args.rest)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' parsers are of this class too) whose usage errors carry
+    their message on the SystemExit, for `main` to print as JSON under --json."""
+
+    def error(self, message: str):
+        try:
+            super().error(message)
+        except SystemExit as e:
+            e.usage_error = message
+            raise
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sqjax", description=__doc__.splitlines()[0])
+    p = _Parser(prog="sqjax", description=__doc__.splitlines()[0])
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -580,12 +592,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "train-qclassifier" in argv:  # everything after it belongs to train_qclassifier's own parser
-        i = argv.index("train-qclassifier")
-        args = parser.parse_args(argv[: i + 1])
-        args.rest = argv[i + 1:]
-    else:
-        args = parser.parse_args(argv)
+    try:
+        if "train-qclassifier" in argv:  # everything after it belongs to train_qclassifier's own parser
+            i = argv.index("train-qclassifier")
+            args = parser.parse_args(argv[: i + 1])
+            args.rest = argv[i + 1:]
+        else:
+            args = parser.parse_args(argv)
+    except SystemExit as e:   # argparse's usage error (on stderr with the usage): as JSON too under --json
+        if getattr(e, "usage_error", None) and "--json" in argv:
+            print(dumps({"error": e.usage_error, "exit_code": e.code}), flush=True)
+        raise
     _enable_compilation_cache()
     warnings.formatwarning = _format_warning
     try:

@@ -175,6 +175,12 @@ def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
         main(["index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--method", "magic"])
     assert e.value.code == 2
     assert "invalid choice: 'magic'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # with --json the usage error is a JSON line on stdout too
+        main(["index", str(doc_file), "-o", str(tmp_path / "m.sqx"), "--method", "magic", "--json"])
+    out, err = capsys.readouterr()
+    row = json.loads(out)
+    assert e.value.code == 2 and row["exit_code"] == 2 and row["error"].startswith("argument --method: invalid choice")
+    assert f"error: {row['error']}" in err
 
     long_doc = tmp_path / "long.txt"
     long_doc.write_text(DOC * 12)
