@@ -7,6 +7,8 @@ failure: ``SQJAX_TEST_SEED=<run seed> ./scripts/test -k <test>``.
 
 import os
 import random
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
@@ -21,6 +23,22 @@ os.environ["SQJAX_TEST_SEED"] = str(RUN_SEED)   # pytest-xdist workers (started 
 # unchanged. Set before jax starts (no test module has imported it yet); a caller's own level stays.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+# `sqjax`'s CLI keeps XLA's compiled programs in ~/.cache/sqjax/xla; the tests that call it in-process
+# would read and fill the user's cache, so a run gives it a fresh directory of its own, made by the
+# controller before the xdist workers start (they inherit it) and removed at the end. One cache for
+# every program of the run (JAX_COMPILATION_CACHE_DIR, subprocesses too) did not pay: 92 programs
+# loaded, ~2 min of compiling saved, and the run took 42.8 min against 36.1
+# (benchmarks/results/cpu_compile_probes/).
+if "SQJAX_TEST_OWN_CACHE" not in os.environ:
+    os.environ["SQJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="sqjax-test-xla-")
+    os.environ["SQJAX_TEST_OWN_CACHE"] = str(os.getpid())
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("SQJAX_TEST_OWN_CACHE") == str(os.getpid()):
+        shutil.rmtree(os.environ["SQJAX_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
