@@ -14,7 +14,15 @@ import threading
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sparse_attention import sparse_attention_reference
 from sqjax.attention import fixed_context_attention
+from sqjax.squeezed import Retrieval
+
+# Without a GPU, "auto" attends a compact retrieval (Squeezed's positions + counts) by gathering its rows
+# (`sparse_attention_reference`) instead of masking the whole fixed context: the demo's SmolLM2 decode on a
+# 2-core CPU 97.3 vs 114.9 ms per token, full attention 96.4 (benchmarks/results/cpu_gather_decode/). Read
+# at trace time; False restores the mask route ("reference" always takes it).
+CPU_GATHER = True
 
 _state = threading.local()
 BACKENDS = ("auto", "pallas", "interpret", "reference")
@@ -98,7 +106,8 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     (decode) or flash attention (blocks of tokens, bf16/f16: cuDNN on GPU);
     compact selections (positions + counts, e.g. Squeezed) to the split-KV sparse kernel,
     QUEST's pages and SAAP's buckets (decode) to their kernels;
-    masks (per-token selections) and the "reference" backend use `fixed_context_attention`.
+    masks (per-token selections) and the "reference" backend use `fixed_context_attention`;
+    "auto" without a GPU gathers a compact selection's rows (`CPU_GATHER`).
     new_part: how a block attends its own keys on GPU: "causal" (cuDNN's causal mask when the
     positions allow it, checked on the device; exact either way), "causal_left_padded" (the same
     for left-padded blocks), "prefix_causal_left_padded" (the same after earlier slots every query
@@ -106,6 +115,11 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     """
     b = resolved()
     ret = selection.retrieval
+    if b == "reference" and current() == "auto" and isinstance(ret, Retrieval) and CPU_GATHER:
+        # no GPU: gather the retrieved rows and attend those (what the GPU kernels compute), not
+        # the whole fixed context under a mask, which made a sparse method slower than full attention
+        return sparse_attention_reference(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
+                                          scale=scale)
     if b != "reference" and ret is None and selection.mask is None:
         # dense (full attention, a method's dense layers) over the contiguous fixed context, never
         # concatenated with the new keys and never cast to f32

@@ -582,3 +582,36 @@ def test_config_field_errors_and_one_level_fractions():
                     ({"decode_calibration": "x"}, "decode_calibration must be one of")]:
         with pytest.raises(ValueError, match=msg):
             SqueezedConfig(**kw)
+
+
+@pytest.mark.parametrize("hs_per_q,t", [(False, 1), (True, 1), (False, 5)])
+def test_cpu_attends_a_retrieval_by_gathering_its_rows(rng, monkeypatch, hs_per_q, t):
+    """Without a GPU, "auto" attends a Squeezed selection over its retrieved rows only (what the GPU
+    kernels compute), never the whole fixed context under the mask; the output equals the mask route's
+    ("reference") for ragged counts, an empty selection, a full capacity, GQA, per-query-head
+    selections and left-padded new tokens."""
+    from sqjax import dispatch
+    from sqjax.selection import Selection
+
+    hq, hkv, length, d, cap, s_new = 8, 2, 300, 16, 40, 9
+    hs = hq if hs_per_q else hkv
+    q = jnp.asarray(rng.normal(size=(hq, t, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(hkv, length, d)), jnp.float32) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(hkv, s_new, d)), jnp.float32) for _ in range(2))
+    kv_pos = jnp.asarray([-1, -1] + list(range(length, length + s_new - 2)), jnp.int32)   # two padding slots
+    q_pos = kv_pos[-t:]
+    idx = np.stack([rng.permutation(length)[:cap] for _ in range(hs)]).astype(np.int32)
+    count = rng.integers(1, cap, size=hs).astype(np.int32)
+    count[0], count[-1] = 0, cap                                    # an empty selection, a full one
+    idx[1, count[1]:] = rng.integers(-5, 2 * length, size=cap - count[1])   # past the count: ignored
+    ret = squeezed.Retrieval(jnp.asarray(idx), jnp.asarray(count), jnp.zeros((hs,), bool))
+    sel = Selection(squeezed.retrieval_mask(ret, length)[:, None, :], ret.count[:, None],
+                    jnp.zeros((hs, 1), jnp.float32), ret.overflow, ret)
+    scale = 1 / math.sqrt(d)
+    with dispatch.using("reference"):
+        want = dispatch.attention(q, k, v, sel, k_new, v_new, q_pos, kv_pos, scale)
+    monkeypatch.setattr(dispatch, "fixed_context_attention",
+                        lambda *a, **kw: pytest.fail("the mask route was taken"))
+    got = dispatch.attention(q, k, v, sel, k_new, v_new, q_pos, kv_pos, scale)
+    assert got.shape == (hq, t, d) and bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
