@@ -1,7 +1,10 @@
-"""benchmarks.real_model on the CPU with the tiny model: the demo rows, the fidelity rows (compiled
-and reference routes are the same jnp code here, so they agree exactly) and the report against a
-reference run."""
+"""benchmarks.real_model on the CPU with the tiny model: the demo rows, the fidelity rows (on a CPU the
+"compiled" route is jnp too: full attention's is the reference's code, so it agrees exactly; Squeezed's
+gathers its retrieved rows where the reference masks the fixed context, so it agrees to rounding) and
+the report against a reference run."""
 import json
+
+import pytest
 
 from _tiny_model import tiny_model
 
@@ -29,9 +32,12 @@ def test_real_model_demo_fidelity_and_report(tmp_path, monkeypatch, capsys):
         rows = {(r["what"], r["mode"], r["method"]): r for r in f["rows"]}
         assert f["n_cont"] == 8 and len(rows) == 8
         for mode in ("decode", "prefill"):
-            assert rows["compiled vs reference", mode, "squeezed+sink1"]["kl_mean"] == 0.0
+            assert rows["compiled vs reference", mode, "full"]["kl_mean"] == 0.0
+            same = rows["compiled vs reference", mode, "squeezed+sink1"]
+            assert 0.0 <= same["kl_mean"] < 1e-9 and same["max_abs_logit_diff"] < 1e-3
             sel = rows["squeezed vs full (compiled)", mode, "squeezed+sink1"]
-            assert sel["kl_mean"] == rows["squeezed vs full (reference)", mode, "squeezed+sink1"]["kl_mean"] >= 0.0
+            ref = rows["squeezed vs full (reference)", mode, "squeezed+sink1"]["kl_mean"]
+            assert sel["kl_mean"] == pytest.approx(ref, rel=1e-5) and ref > 0.0
     capsys.readouterr()
     assert real_model.main(["--report", str(out / "real_model.json"), "--reference", str(out / "real_model.json"),
                             "--out", str(tmp_path / "rep")]) == 0
