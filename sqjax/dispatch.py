@@ -14,7 +14,6 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_attention import sparse_attention_reference
 from sqjax.attention import fixed_context_attention
 from sqjax.squeezed import Retrieval
 
@@ -118,6 +117,8 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     if b == "reference" and current() == "auto" and isinstance(ret, Retrieval) and CPU_GATHER:
         # no GPU: gather the retrieved rows and attend those (what the GPU kernels compute), not
         # the whole fixed context under a mask, which made a sparse method slower than full attention
+        from pallas_kernels.sparse_attention import sparse_attention_reference
+
         return sparse_attention_reference(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
                                           scale=scale)
     if b != "reference" and ret is None and selection.mask is None:
