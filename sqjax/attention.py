@@ -122,6 +122,74 @@ def fixed_context_attention(
     return merge_partials(fixed, new).o.astype(q.dtype)
 
 
+def retrieved_attention(
+    q: jax.Array,        # [Hq, T, d]
+    k_fixed: jax.Array,  # [Hkv, L, d]
+    v_fixed: jax.Array,  # [Hkv, L, d]
+    idx: jax.Array,      # [Hs, cap] int32 retrieved positions; Hkv divides Hs, Hs divides Hq
+    count: jax.Array,    # [Hs] int32 valid entries of idx; entries past it (or outside [0, L)) are ignored
+    k_new: jax.Array,    # [Hkv, S, d]
+    v_new: jax.Array,    # [Hkv, S, d]
+    q_pos: jax.Array,    # [T] int32
+    kv_pos: jax.Array,   # [S] int32 (−1 = empty slot)
+    scale: float,
+    chunk: int = 256,
+) -> jax.Array:
+    """Exact attention over the retrieved fixed rows ∪ the causal user-input keys, gathering the
+    retrieved rows `chunk` at a time with an online softmax (Flash-Attention's running max and sum)
+    and stopping after the largest count: the work follows the rows retrieved, not the static
+    capacity. The jnp route of a compact selection (`dispatch.attention` without a GPU); it computes
+    what `pallas_kernels.sparse_attention_reference` does (duplicates counted). -> [Hq, T, d]."""
+    check_rank("q", q, 3, "[Hq, T, d]")
+    check_rank("k_fixed", k_fixed, 3, "[Hkv, L, d]")
+    check_rank("idx", idx, 2, "[Hs, cap]")
+    check_rank("count", count, 1, "[Hs]")
+    check_rank("k_new", k_new, 3, "[Hkv, S, d]")
+    _check_positions(q, k_new, q_pos, kv_pos, "k_new")
+    hq, t, d = q.shape
+    hkv, n_fixed, _ = k_fixed.shape
+    hs, cap = idx.shape
+    check_same("selection heads", [("idx", hs), ("count", count.shape[0])])
+    check_gqa(hq, hkv)
+    check_gqa(hs, hkv, "selection heads of idx")
+    if hq % hs:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the selection heads of idx ({hs})")
+    r = hq // hs
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}")
+    chunk = min(chunk, max(cap, 1))
+    n_chunks = -(-cap // chunk)
+    kvh = (jnp.arange(hs, dtype=jnp.int32) * r) // (hq // hkv)                  # [Hs] KV head of each selection head
+    idx = jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, n_chunks * chunk - cap)))  # [Hs, n_chunks·chunk]
+    cnt = jnp.clip(count.astype(jnp.int32), 0, cap)
+    qs = q.astype(jnp.float32).reshape(hs, r * t, d) * scale                    # a selection head's query rows
+
+    def step(i, carry):   # one chunk of every head's retrieval, merged into the running softmax
+        m, l, acc = carry                                                        # [Hs, rT], [Hs, rT], [Hs, rT, d]
+        ii = jax.lax.dynamic_slice_in_dim(idx, i * chunk, chunk, axis=1)         # [Hs, chunk]
+        ok = ((i * chunk + jnp.arange(chunk))[None, :] < cnt[:, None]) & (ii >= 0) & (ii < n_fixed)
+        ii = jnp.where(ok, ii, 0)
+        kk = jnp.where(ok[..., None], k_fixed[kvh[:, None], ii], 0).astype(jnp.float32)   # [Hs, chunk, d]
+        vv = jnp.where(ok[..., None], v_fixed[kvh[:, None], ii], 0).astype(jnp.float32)   # (rows not read: 0)
+        s = jnp.where(ok[:, None, :], jnp.einsum("hrd,hcd->hrc", qs, kk), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])                                       # 0 where masked
+        a = jnp.exp(m - m_safe)                                                  # 0 while nothing was seen
+        return m_new, l * a + jnp.sum(p, axis=-1), acc * a[..., None] + jnp.einsum("hrc,hcd->hrd", p, vv)
+
+    zero = jnp.zeros((hs, r * t), jnp.float32)
+    n_live = (jnp.max(cnt, initial=0) + chunk - 1) // chunk                      # chunks holding a valid row
+    m, l, acc = jax.lax.fori_loop(0, n_live, step, (zero - jnp.inf, zero, jnp.zeros((hs, r * t, d), jnp.float32)))
+    seen = l > 0
+    o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    fixed = Partial(o.reshape(hq, t, d), lse.reshape(hq, t))
+    empty = (kv_pos < 0)[None, :, None]                                          # slots never written: not read
+    new = attend_partial(q, jnp.where(empty, 0, k_new), jnp.where(empty, 0, v_new), causal_mask(q_pos, kv_pos), scale)
+    return merge_partials(fixed, new).o.astype(q.dtype)
+
+
 def dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, scale: float
 ) -> jax.Array:

@@ -14,14 +14,15 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from sqjax.attention import fixed_context_attention
+from sqjax.attention import fixed_context_attention, retrieved_attention
 from sqjax.squeezed import Retrieval
 
 # Without a GPU, "auto" attends a compact retrieval (Squeezed's positions + counts) by gathering its rows
-# (`sparse_attention_reference`) instead of masking the whole fixed context: the demo's SmolLM2 decode on a
-# 2-core CPU 97.3 vs 114.9 ms per token, full attention 96.4 (benchmarks/results/cpu_gather_decode/). Read
-# at trace time; False restores the mask route ("reference" always takes it).
+# (`retrieved_attention`, CPU_GATHER_CHUNK rows at a time up to the largest count) instead of masking the
+# whole fixed context: the demo's SmolLM2 decode on a 2-core CPU (benchmarks/results/cpu_gather_decode/).
+# Read at trace time; False restores the mask route ("reference" always takes it).
 CPU_GATHER = True
+CPU_GATHER_CHUNK = 512
 
 _state = threading.local()
 BACKENDS = ("auto", "pallas", "interpret", "reference")
@@ -117,10 +118,8 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     if b == "reference" and current() == "auto" and isinstance(ret, Retrieval) and CPU_GATHER:
         # no GPU: gather the retrieved rows and attend those (what the GPU kernels compute), not
         # the whole fixed context under a mask, which made a sparse method slower than full attention
-        from pallas_kernels.sparse_attention import sparse_attention_reference
-
-        return sparse_attention_reference(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos,
-                                          scale=scale)
+        return retrieved_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos, scale,
+                                   CPU_GATHER_CHUNK)
     if b != "reference" and ret is None and selection.mask is None:
         # dense (full attention, a method's dense layers) over the contiguous fixed context, never
         # concatenated with the new keys and never cast to f32

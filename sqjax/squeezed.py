@@ -226,6 +226,13 @@ def cluster_layout(labels: jax.Array, n_clusters: int) -> tuple[jax.Array, jax.A
     return perm, offsets
 
 
+def search_method() -> str:
+    """`jnp.searchsorted`'s method where the program runs: unrolled on accelerators (a while loop's
+    every iteration is a host round trip on a GPU), a loop on a CPU (the unrolled search over a
+    retrieval's slots took 3× as long there: benchmarks/results/cpu_gather_decode/)."""
+    return "scan" if jax.default_backend() == "cpu" else "scan_unrolled"
+
+
 def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_clustered: int, capacity: int, n_sink: int):
     """One selection head.  selected/scores/counts [C], perm [Lc], offsets [C+1]."""
     budget = capacity - n_tail - n_sink
@@ -245,7 +252,7 @@ def _retrieve_one(selected, scores, counts, perm, offsets, n_tail: int, n_cluste
         total = jnp.sum(jnp.where(selected, counts, 0)).astype(jnp.int32)
         overflow = jnp.zeros((), bool)
     slots = jnp.arange(budget, dtype=jnp.int32)
-    r = jnp.searchsorted(cum_keep, slots, side="right", method="scan_unrolled")
+    r = jnp.searchsorted(cum_keep, slots, side="right", method=search_method())
     r = jnp.minimum(r, order.shape[0] - 1)
     c = order[r]
     start = cum_keep[r] - n_keep[r]

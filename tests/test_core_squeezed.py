@@ -188,8 +188,12 @@ def np_retrieve(selected, scores, counts, labels, n_tail, capacity):
     return keys, overflow
 
 
+@pytest.mark.parametrize("method", ["scan", "scan_unrolled"])   # a CPU's search, an accelerator's
 @pytest.mark.parametrize("vote", ["kv", "q"])
-def test_retrieve_matches_numpy(rng, vote):
+def test_retrieve_matches_numpy(rng, monkeypatch, vote, method):
+    from sqjax import squeezed
+
+    monkeypatch.setattr(squeezed, "search_method", lambda: method)
     hkv, c, lc, n_tail = 2, 17, 150, 7
     hs = hkv if vote == "kv" else 2 * hkv
     labels = rng.integers(0, c, size=(hkv, lc)).astype(np.int32)
@@ -612,6 +616,9 @@ def test_cpu_attends_a_retrieval_by_gathering_its_rows(rng, monkeypatch, hs_per_
         want = dispatch.attention(q, k, v, sel, k_new, v_new, q_pos, kv_pos, scale)
     monkeypatch.setattr(dispatch, "fixed_context_attention",
                         lambda *a, **kw: pytest.fail("the mask route was taken"))
-    got = dispatch.attention(q, k, v, sel, k_new, v_new, q_pos, kv_pos, scale)
-    assert got.shape == (hq, t, d) and bool(jnp.all(jnp.isfinite(got)))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    for chunk in (dispatch.CPU_GATHER_CHUNK, 16):   # one chunk; three, the last one ragged
+        monkeypatch.setattr(dispatch, "CPU_GATHER_CHUNK", chunk)
+        got = dispatch.attention(q, k, v, sel, k_new, v_new, q_pos, kv_pos, scale)
+        assert got.shape == (hq, t, d) and bool(jnp.all(jnp.isfinite(got)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    assert squeezed.search_method() == "scan"   # no GPU: the retrieval's slot search is a loop

@@ -509,3 +509,46 @@ def test_new_part_mode_error():
   with pytest.raises(ValueError, match="new_part must be one of"):
     fixed_plus_new(z, z[:, :, None], z[:, :, None], None, z, z, pos, pos, scale=0.5, implementation="xla",
                    return_lse=False, new_part="rolled")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 512])
+@pytest.mark.parametrize("hq,hkv,hs,seq_len,num_l,num_s,cap,d,dtype,poison", CASES)
+def test_retrieved_attention_matches_reference(rng, chunk, hq, hkv, hs, seq_len, num_l, num_s, cap, d, dtype,
+                                               poison):
+  """sqjax's jnp route for a compact retrieval without a GPU (`retrieved_attention`: the retrieved rows
+  `chunk` at a time, up to the largest count) equals the kernels' reference: ragged counts, an empty
+  selection, garbage and NaN rows past the counts, empty new slots, GQA and per-query-head selections,
+  chunks that do not divide the capacity and one wider than it."""
+  from sqjax.attention import retrieved_attention
+
+  args = make_inputs(rng, hq, hkv, hs, seq_len, num_l, num_s, cap, d, dtype, poison=poison)
+  scale = d ** -0.5
+  ref = sparse_attention_reference(*args, scale=scale)
+  out = retrieved_attention(*args, scale, chunk)
+  assert out.shape == (hq, seq_len, d) and out.dtype == dtype
+  assert_close(out, ref, dtype)
+  q, k, v, idx, counts, kn, vn, qp, kvp = args
+  over = counts.at[0].set(cap + 5)                        # a count past the capacity is clipped to it
+  assert_close(retrieved_attention(q, k, v, idx, over, kn, vn, qp, kvp, scale, chunk),
+               sparse_attention_reference(q, k, v, idx, over, kn, vn, qp, kvp, scale=scale), dtype)
+
+
+def test_retrieved_attention_counts_duplicates_and_names_bad_shapes(rng):
+  from sqjax.attention import retrieved_attention
+
+  q, k, v, idx, counts, kn, vn, qp, kvp = make_inputs(rng, 4, 2, 2, 3, 20, 5, 8, 16, jnp.float32)
+  dup = jnp.stack([jnp.full((8,), 3, jnp.int32), jnp.arange(8, dtype=jnp.int32)])
+  full = jnp.asarray([8, 8], jnp.int32)
+  np.testing.assert_allclose(retrieved_attention(q, k, v, dup, full, kn, vn, qp, kvp, 0.25, 3),
+                             sparse_attention_reference(q, k, v, dup, full, kn, vn, qp, kvp, scale=0.25),
+                             rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match=r"selection heads.*\(3\)"):
+    retrieved_attention(q, k, v, jnp.zeros((3, 8), jnp.int32), jnp.zeros(3, jnp.int32), kn, vn, qp, kvp, 1.0)
+  with pytest.raises(ValueError, match=r"idx.*\[Hs, cap\]"):
+    retrieved_attention(q, k, v, idx[0], counts, kn, vn, qp, kvp, 1.0)
+  with pytest.raises(ValueError, match="count"):
+    retrieved_attention(q, k, v, idx, counts[:1], kn, vn, qp, kvp, 1.0)
+  with pytest.raises(ValueError, match="chunk"):
+    retrieved_attention(q, k, v, idx, counts, kn, vn, qp, kvp, 1.0, 0)
+  with pytest.raises(ValueError, match="q_pos"):
+    retrieved_attention(q, k, v, idx, counts, kn, vn, qp[:1], kvp, 1.0)
