@@ -99,6 +99,11 @@ def hierarchical_scores(q, centroids1, counts1, centroids2, counts2, parent, thr
                   q_valid=q_valid, config=_prefill_config(int8))   # int8: blocks only (the caller's rule)
 
 
+def cpu_gathers() -> bool:
+    """Whether `attention` gathers a compact retrieval's rows: the "auto" backend without a GPU."""
+    return CPU_GATHER and current() == "auto" and resolved() == "reference"
+
+
 def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale: float, *, new_part: str = "causal"):
     """Exact attention over a selection of the fixed context + the causal user input.
 
@@ -115,7 +120,7 @@ def attention(q, k_fixed, v_fixed, selection, k_new, v_new, q_pos, kv_pos, scale
     """
     b = resolved()
     ret = selection.retrieval
-    if b == "reference" and current() == "auto" and isinstance(ret, Retrieval) and CPU_GATHER:
+    if isinstance(ret, Retrieval) and cpu_gathers():
         # no GPU: gather the retrieved rows and attend those (what the GPU kernels compute), not
         # the whole fixed context under a mask, which made a sparse method slower than full attention
         return retrieved_attention(q, k_fixed, v_fixed, ret.idx, ret.count, k_new, v_new, q_pos, kv_pos, scale,

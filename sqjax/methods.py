@@ -288,7 +288,15 @@ class Quest(BudgetMethod):
             pages = quest.select_pages(scores, self.n_pages(length), forced_page=n_p - 1)
         mask = quest.pages_to_keys(pages, length, self.page)
         sel = from_mask(mask, meta_rows=2.0 * n_p)
-        return sel._replace(retrieval=Pages(page_idx, self.page)) if backend else sel
+        if backend:
+            return sel._replace(retrieval=Pages(page_idx, self.page))
+        from sqjax import dispatch
+
+        if q.shape[1] == 1 and dispatch.cpu_gathers():   # decode without a GPU: the pages' rows, gathered
+            pos = quest.page_rows(scores[:, 0], self.n_pages(length), n_p - 1, length, self.page)
+            n = jnp.full((pos.shape[0],), pos.shape[1], jnp.int32)
+            return sel._replace(retrieval=squeezed.Retrieval(pos, n, jnp.zeros(pos.shape[:1], bool)))
+        return sel
 
     def expected_budget(self, length: int) -> float:
         n_pages = -(-length // self.page)

@@ -58,14 +58,27 @@ def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, vote: str = "kv"
     return jnp.max(u, axis=1) if vote == "kv" else u.reshape(hq, t, -1)
 
 
+def _forced(scores: jax.Array, n_pages: int, forced_page: int | None) -> tuple[jax.Array, int]:
+    """The scores with `forced_page` ranked first, and the number of pages kept (at most P)."""
+    s = scores if forced_page is None else scores.at[..., forced_page].set(jnp.inf)
+    return s, max(0, min(n_pages, scores.shape[-1]))
+
+
 def select_pages(scores: jax.Array, n_pages: int, forced_page: int | None) -> jax.Array:
     """Top-`n_pages` pages per row, `forced_page` always included.  scores [..., P] -> bool [..., P]."""
-    total = scores.shape[-1]
-    n_pages = max(0, min(n_pages, total))
-    s = scores
-    if forced_page is not None:
-        s = s.at[..., forced_page].set(jnp.inf)
+    s, n_pages = _forced(scores, n_pages, forced_page)
     return topk_mask(s, n_pages)
+
+
+def page_rows(scores: jax.Array, n_pages: int, forced_page: int | None, length: int, page: int = 16) -> jax.Array:
+    """The key positions of `select_pages`' pages (the same `lax.top_k`), page by page: the compact
+    form a gather reads.  scores [Hs, P] -> [Hs, K·page] int32; the last page's positions past the
+    fixed context (L) are −1, which attention ignores."""
+    check_rank("scores", scores, 2, "[Hs, P]")
+    s, n_pages = _forced(scores, n_pages, forced_page)
+    ids = jax.lax.top_k(s, n_pages)[1].astype(jnp.int32)                          # [Hs, K]
+    pos = (ids[..., None] * page + jnp.arange(page, dtype=jnp.int32)).reshape(ids.shape[0], -1)
+    return jnp.where(pos < length, pos, -1)
 
 
 def pages_to_keys(page_mask: jax.Array, length: int, page: int = 16) -> jax.Array:

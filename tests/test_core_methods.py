@@ -113,6 +113,21 @@ def test_quest_select_topk_with_forced_page(rng):
             assert set(np.nonzero(m[i, t, :19])[0].tolist()) == top4
 
 
+@pytest.mark.parametrize("length,n_pages", [(300, 5), (297, 5), (297, 40), (16, 1)])
+def test_quest_page_rows_are_the_selected_pages_keys(rng, length, n_pages):
+    """`page_rows` (what a CPU gathers) holds exactly the keys of `select_pages`' mask: a last page
+    cut short by the fixed context's end, more pages asked than exist, one page."""
+    p = -(-length // 16)
+    s = jnp.asarray(rng.normal(size=(3, p)).astype(np.float32))
+    pos = np.asarray(quest.page_rows(s, n_pages, p - 1, length, 16))
+    mask = np.asarray(quest.pages_to_keys(quest.select_pages(s, n_pages, forced_page=p - 1), length, 16))
+    assert pos.shape == (3, min(n_pages, p) * 16) and pos.dtype == np.int32
+    for h in range(3):
+        assert sorted(pos[h][pos[h] >= 0].tolist()) == np.nonzero(mask[h])[0].tolist()
+    with pytest.raises(ValueError, match=r"scores.*\[Hs, P\]"):
+        quest.page_rows(s[None], n_pages, p - 1, length, 16)
+
+
 # --------------------------------------------------------------------------------- SnapKV
 
 @pytest.mark.parametrize("pool", ["max", "avg"])

@@ -614,23 +614,25 @@ def test_full_attention_gpu_path_equals_reference(model):
                                   lambda: sqjax.methods.Saap(probes=4)], ids=["quest", "saap"])
 def test_quest_and_saap_decode_kernel_paths_equal_reference(model, make):
     """On a Pallas backend (here the interpreter) a decode step of QUEST / SAAP runs the
-    page-sparse / bucket kernels through `sqjax.dispatch`; the logits equal the mask path's."""
+    page-sparse / bucket kernels through `sqjax.dispatch`, and "auto" on a CPU gathers QUEST's
+    pages' rows; the logits equal the mask path's."""
     from models.forward import forward_jit
 
     ctx = FixedContext.build(model, DOC, make(), chat=False)
     logits = {}
-    for backend in ("reference", "interpret"):
+    for backend in ("reference", "interpret", "auto"):
         hook = dataclasses.replace(ctx._hook, backend=backend)
         lg, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[321]]), jnp.asarray([[ctx.n_tokens]]),
                                ctx._new_cache(8), attn_fn=hook, attn_state=ctx._state, logits="last")
         logits[backend] = np.asarray(lg)
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits["auto"], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
 def test_quest_and_saap_selections_carry_kernel_payloads(rng):
     """The Pallas-path selections hold the pages / buckets their kernels read, consistent with the
     masks used for the accounting."""
-    from sqjax import dispatch
+    from sqjax import dispatch, squeezed
     from sqjax.methods import ContextData, Quest, Saap
     from sqjax.selection import Buckets, Pages
 
@@ -650,6 +652,19 @@ def test_quest_and_saap_selections_carry_kernel_payloads(rng):
         else:
             assert isinstance(sel.retrieval, Buckets) and sel.retrieval.bucket_idx.shape == (2, 3)
         assert ref.retrieval is None
+        auto = m.select(index, 0, q, q, k[0])   # "auto" without a GPU: QUEST's pages as positions to gather
+        np.testing.assert_array_equal(np.asarray(auto.mask), np.asarray(ref.mask))
+        if isinstance(m, Quest):
+            ret = auto.retrieval
+            assert isinstance(ret, squeezed.Retrieval) and ret.idx.shape == (2, m.n_pages(300) * m.page)
+            for h in range(2):
+                pos = np.asarray(ret.idx[h, : int(ret.count[h])])
+                assert sorted(pos[pos >= 0].tolist()) == np.nonzero(np.asarray(ref.mask[h, 0]))[0].tolist()
+            with dispatch.using("reference"):   # no per-token pages for a block: its masks only
+                assert m.select(index, 0, jnp.tile(q, (1, 3, 1)), jnp.tile(q, (1, 3, 1)), k[0]).retrieval is None
+            assert m.select(index, 0, jnp.tile(q, (1, 3, 1)), jnp.tile(q, (1, 3, 1)), k[0]).retrieval is None
+        else:
+            assert auto.retrieval is None
 
 
 def test_ask_step_returns_its_inputs_in_their_buffers(model):
