@@ -5,7 +5,8 @@ whole query block; Ts = T: one set per token). `kv_rows` and `meta_rows` count w
 lookup and the attention read, in key-sized rows, for the KV-budget accounting (`budget.py`).
 `retrieval` carries the compact form a GPU kernel reads, when the method has one: positions +
 counts (`squeezed.Retrieval`), QUEST's selected pages (`Pages`) or SAAP's visited buckets
-(`Buckets`); `sqjax.dispatch.attention` picks the kernel by its type.
+(`Buckets`); `sqjax.dispatch.attention` picks the kernel by its type. Without a GPU, QUEST's
+decode pages come as a `Retrieval` of their positions, which `dispatch.attention` gathers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class Selection(NamedTuple):
     kv_rows: jax.Array       # [Hs, Ts] int32 fixed-context K/V rows read
     meta_rows: jax.Array     # [Hs, Ts] f32 key-sized metadata rows read (centroids, page bounds, ...)
     overflow: jax.Array      # [Hs] bool: a capacity was exceeded (see the method's overflow policy)
-    retrieval: object = None  # squeezed.Retrieval (idx [Hs,cap], count [Hs]) or None
+    retrieval: object = None  # squeezed.Retrieval (idx [Hs,cap], count [Hs]), Pages, Buckets or None
 
 
 class Pages(NamedTuple):

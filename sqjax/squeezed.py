@@ -210,7 +210,7 @@ def hierarchical_scores(
 # ---------------------------------------------------------------------------------------------
 
 class Retrieval(NamedTuple):
-    idx: jax.Array       # [Hs, cap] int32 fixed-context positions; exact sink + tail first; past count: 0
+    idx: jax.Array       # [Hs, cap] int32 fixed-context positions (Squeezed: exact sink + tail first; past count: 0)
     count: jax.Array     # [Hs] int32 valid entries of idx (tail included)
     overflow: jax.Array  # [Hs] bool: selected clusters did not all fit in the capacity
 
