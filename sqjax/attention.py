@@ -133,7 +133,7 @@ def retrieved_attention(
     q_pos: jax.Array,    # [T] int32
     kv_pos: jax.Array,   # [S] int32 (−1 = empty slot)
     scale: float,
-    chunk: int = 256,
+    chunk: int = 512,
 ) -> jax.Array:
     """Exact attention over the retrieved fixed rows ∪ the causal user-input keys, gathering the
     retrieved rows `chunk` at a time with an online softmax (Flash-Attention's running max and sum)

@@ -229,7 +229,7 @@ def cluster_layout(labels: jax.Array, n_clusters: int) -> tuple[jax.Array, jax.A
 def search_method() -> str:
     """`jnp.searchsorted`'s method where the program runs: unrolled on accelerators (a while loop's
     every iteration is a host round trip on a GPU), a loop on a CPU (the unrolled search over a
-    retrieval's slots took 3× as long there: benchmarks/results/cpu_gather_decode/)."""
+    retrieval's slots took 2.4× as long there: benchmarks/results/cpu_gather_decode/layer_probe.log)."""
     return "scan" if jax.default_backend() == "cpu" else "scan_unrolled"
 
 
