@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from sqjax.attention import fixed_context_attention, retrieved_attention
 from sqjax.squeezed import Retrieval
 
-# Without a GPU, "auto" attends a compact retrieval (positions + counts: Squeezed's, QUEST's decode pages)
+# Without a GPU, "auto" attends a compact retrieval (positions + counts: Squeezed's, QUEST's decode pages, SnapKV's)
 # by gathering its rows (`retrieved_attention`, CPU_GATHER_CHUNK rows at a time up to the largest count)
 # instead of masking the whole fixed context: the demo's SmolLM2 decode on a 2-core CPU
 # (benchmarks/results/cpu_gather_decode/).

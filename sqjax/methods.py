@@ -334,7 +334,17 @@ class SnapKV(BudgetMethod):
         return {"keep": keep}, {"capacity": cap}
 
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
-        return from_mask(index["keep"][layer][:, None, :])
+        from sqjax import dispatch
+
+        keep = index["keep"][layer]                                      # [Hkv, L]: `capacity` per head (snapkv_keep)
+        sel = from_mask(keep[:, None, :])
+        if not dispatch.cpu_gathers():
+            return sel
+        # without a GPU: the kept positions, which `dispatch.attention` gathers (a block's tokens all see them)
+        cap = self.capacity(k_fixed.shape[1])
+        pos = jax.vmap(lambda m: jnp.nonzero(m, size=cap, fill_value=-1)[0])(keep).astype(jnp.int32)
+        return sel._replace(retrieval=squeezed.Retrieval(pos, jnp.full(pos.shape[:1], cap, jnp.int32),
+                                                         jnp.zeros(pos.shape[:1], bool)))
 
     def expected_budget(self, length: int) -> float:
         return self.capacity(length) / length

@@ -6,7 +6,8 @@ lookup and the attention read, in key-sized rows, for the KV-budget accounting (
 `retrieval` carries the compact form a GPU kernel reads, when the method has one: positions +
 counts (`squeezed.Retrieval`), QUEST's selected pages (`Pages`) or SAAP's visited buckets
 (`Buckets`); `sqjax.dispatch.attention` picks the kernel by its type. Without a GPU, QUEST's
-decode pages come as a `Retrieval` of their positions, which `dispatch.attention` gathers.
+decode pages and SnapKV's kept rows come as a `Retrieval` of their positions, which
+`dispatch.attention` gathers.
 """
 
 from __future__ import annotations

@@ -590,6 +590,40 @@ def test_routed_accounting_compiles_without_a_sort(model):
     assert not any(" sort(" in text for text in compiled["routed"])
 
 
+def test_snapkv_on_a_cpu_gathers_its_kept_rows(model, rng):
+    """Without a GPU ("auto"), SnapKV's selection carries its kept positions (exactly the mask's), which
+    `dispatch.attention` gathers for decode steps and blocks alike; the logits equal the mask route's."""
+    from models.forward import forward_jit
+    from sqjax import dispatch, squeezed
+    from sqjax.methods import ContextData
+
+    m = SnapKV(budget=0.3, window=8)
+    k = jnp.asarray(rng.normal(size=(1, 2, 300, 16)), jnp.float32)
+    data = ContextData(k, k, jnp.asarray(rng.normal(size=(1, 4, 40, 16)), jnp.float32), scale=0.25, k_pre=k)
+    index, _ = m.build(data)
+    q = jnp.asarray(rng.normal(size=(4, 3, 16)), jnp.float32)
+    with dispatch.using("reference"):
+        assert m.select(index, 0, q, q, k[0]).retrieval is None
+    sel = m.select(index, 0, q, q, k[0])
+    assert isinstance(sel.retrieval, squeezed.Retrieval) and sel.retrieval.idx.shape == (2, m.capacity(300))
+    for h in range(2):
+        assert np.asarray(sel.retrieval.idx[h]).tolist() == np.nonzero(np.asarray(sel.mask[h, 0]))[0].tolist()
+
+    ctx = FixedContext.build(model, DOC, SnapKV(budget=0.3), chat=False)
+    toks = jnp.asarray([[321, 45, 9, 1000, 77]])
+    pos = ctx.n_tokens + jnp.arange(5)[None]
+    logits = {}
+    for backend in ("reference", "auto"):
+        hook = dataclasses.replace(ctx._hook, backend=backend)
+        lg1, cache, _ = forward_jit(model.graphdef, model.state, toks, pos, ctx._new_cache(8),
+                                    attn_fn=hook, attn_state=ctx._state, logits="all")
+        lg2, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[5]]), pos[:, -1:] + 1, cache,
+                                attn_fn=hook, attn_state=ctx._state, logits="last")
+        logits[backend] = (np.asarray(lg1), np.asarray(lg2))
+    for got, want in zip(logits["auto"], logits["reference"]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_full_attention_gpu_path_equals_reference(model):
     """Full attention's GPU path (the split-KV dense Pallas kernel, here interpreted) gives the
     reference logits for a question's prefill block and for a decode step."""
