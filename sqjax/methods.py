@@ -336,14 +336,15 @@ class SnapKV(BudgetMethod):
     def _select(self, index, layer, q, q_pre, k_fixed) -> Selection:
         from sqjax import dispatch
 
-        keep = index["keep"][layer]                                      # [Hkv, L]: `capacity` per head (snapkv_keep)
+        keep = index["keep"][layer]                                      # [Hkv, L]
         sel = from_mask(keep[:, None, :])
         if not dispatch.cpu_gathers():
             return sel
-        # without a GPU: the kept positions, which `dispatch.attention` gathers (a block's tokens all see them)
-        cap = self.capacity(k_fixed.shape[1])
-        pos = jax.vmap(lambda m: jnp.nonzero(m, size=cap, fill_value=-1)[0])(keep).astype(jnp.int32)
-        return sel._replace(retrieval=squeezed.Retrieval(pos, jnp.full(pos.shape[:1], cap, jnp.int32),
+        # without a GPU: the kept positions, which `dispatch.attention` gathers up to their count (a block's
+        # tokens all see them). Sized by L, not by `capacity`: the budget is build-only (the quality
+        # harness runs every SnapKV index through one canonical budget)
+        pos = jax.vmap(lambda m: jnp.nonzero(m, size=m.shape[0], fill_value=-1)[0])(keep).astype(jnp.int32)
+        return sel._replace(retrieval=squeezed.Retrieval(pos, jnp.sum(keep, axis=-1, dtype=jnp.int32),
                                                          jnp.zeros(pos.shape[:1], bool)))
 
     def expected_budget(self, length: int) -> float:

@@ -604,10 +604,14 @@ def test_snapkv_on_a_cpu_gathers_its_kept_rows(model, rng):
     q = jnp.asarray(rng.normal(size=(4, 3, 16)), jnp.float32)
     with dispatch.using("reference"):
         assert m.select(index, 0, q, q, k[0]).retrieval is None
-    sel = m.select(index, 0, q, q, k[0])
-    assert isinstance(sel.retrieval, squeezed.Retrieval) and sel.retrieval.idx.shape == (2, m.capacity(300))
-    for h in range(2):
-        assert np.asarray(sel.retrieval.idx[h]).tolist() == np.nonzero(np.asarray(sel.mask[h, 0]))[0].tolist()
+    for method in (m, dataclasses.replace(m, budget=0.5)):   # the budget is build-only: the index decides
+        sel = method.select(index, 0, q, q, k[0])
+        ret = sel.retrieval
+        assert isinstance(ret, squeezed.Retrieval) and ret.idx.shape == (2, 300)
+        np.testing.assert_array_equal(np.asarray(ret.count), [m.capacity(300)] * 2)
+        for h in range(2):
+            got = np.asarray(ret.idx[h, : int(ret.count[h])]).tolist()
+            assert got == np.nonzero(np.asarray(sel.mask[h, 0]))[0].tolist()
 
     ctx = FixedContext.build(model, DOC, SnapKV(budget=0.3), chat=False)
     toks = jnp.asarray([[321, 45, 9, 1000, 77]])
