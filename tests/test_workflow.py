@@ -593,7 +593,6 @@ def test_routed_accounting_compiles_without_a_sort(model):
 def test_snapkv_on_a_cpu_gathers_its_kept_rows(model, rng):
     """Without a GPU ("auto"), SnapKV's selection carries its kept positions (exactly the mask's), which
     `dispatch.attention` gathers for decode steps and blocks alike; the logits equal the mask route's."""
-    from models.forward import forward_jit
     from sqjax import dispatch, squeezed
     from sqjax.methods import ContextData
 
@@ -613,39 +612,31 @@ def test_snapkv_on_a_cpu_gathers_its_kept_rows(model, rng):
             got = np.asarray(ret.idx[h, : int(ret.count[h])]).tolist()
             assert got == np.nonzero(np.asarray(sel.mask[h, 0]))[0].tolist()
 
-    ctx = FixedContext.build(model, DOC, SnapKV(budget=0.3), chat=False)
+    _assert_block_and_step_logits_equal(model, FixedContext.build(model, DOC, SnapKV(budget=0.3), chat=False), "auto")
+
+
+def _assert_block_and_step_logits_equal(model, ctx, backend):
+    """A 5-token block and then a decode step on `backend` give the "reference" backend's logits."""
+    from models.forward import forward_jit
+
     toks = jnp.asarray([[321, 45, 9, 1000, 77]])
     pos = ctx.n_tokens + jnp.arange(5)[None]
     logits = {}
-    for backend in ("reference", "auto"):
-        hook = dataclasses.replace(ctx._hook, backend=backend)
+    for b in ("reference", backend):
+        hook = dataclasses.replace(ctx._hook, backend=b)
         lg1, cache, _ = forward_jit(model.graphdef, model.state, toks, pos, ctx._new_cache(8),
                                     attn_fn=hook, attn_state=ctx._state, logits="all")
         lg2, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[5]]), pos[:, -1:] + 1, cache,
                                 attn_fn=hook, attn_state=ctx._state, logits="last")
-        logits[backend] = (np.asarray(lg1), np.asarray(lg2))
-    for got, want in zip(logits["auto"], logits["reference"]):
+        logits[b] = (np.asarray(lg1), np.asarray(lg2))
+    for got, want in zip(logits[backend], logits["reference"]):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_full_attention_gpu_path_equals_reference(model):
     """Full attention's GPU path (the split-KV dense Pallas kernel, here interpreted) gives the
     reference logits for a question's prefill block and for a decode step."""
-    from models.forward import forward_jit
-
-    ctx = FixedContext.build(model, DOC, Full(), chat=False)
-    toks = jnp.asarray([[321, 45, 9, 1000, 77]])
-    pos = ctx.n_tokens + jnp.arange(5)[None]
-    logits = {}
-    for backend in ("reference", "interpret"):
-        hook = dataclasses.replace(ctx._hook, backend=backend)
-        lg1, cache, _ = forward_jit(model.graphdef, model.state, toks, pos, ctx._new_cache(8),
-                                    attn_fn=hook, attn_state=ctx._state, logits="all")
-        lg2, _, _ = forward_jit(model.graphdef, model.state, jnp.asarray([[5]]), pos[:, -1:] + 1, cache,
-                                attn_fn=hook, attn_state=ctx._state, logits="last")
-        logits[backend] = (np.asarray(lg1), np.asarray(lg2))
-    for got, want in zip(logits["interpret"], logits["reference"]):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    _assert_block_and_step_logits_equal(model, FixedContext.build(model, DOC, Full(), chat=False), "interpret")
 
 
 @pytest.mark.parametrize("make", [lambda: sqjax.methods.Quest(budget=0.3, dense_layers=1),
