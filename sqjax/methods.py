@@ -131,6 +131,13 @@ def _ids_to_mask(ids: jax.Array, n: int) -> jax.Array:
     return jnp.zeros((ids.shape[0], n), bool).at[rows, jnp.where(ids >= 0, ids, n)].set(True, mode="drop")
 
 
+def _kept_rows(keep: jax.Array) -> squeezed.Retrieval:
+    """keep [Hs, L] bool -> the kept positions as a compact retrieval (idx [Hs, L], −1 past each
+    head's count), which `dispatch.attention` gathers without a GPU up to the largest count."""
+    pos = jax.vmap(lambda m: jnp.nonzero(m, size=m.shape[0], fill_value=-1)[0])(keep).astype(jnp.int32)
+    return squeezed.Retrieval(pos, jnp.sum(keep, axis=-1, dtype=jnp.int32), jnp.zeros(pos.shape[:1], bool))
+
+
 def _kernel_backend(q) -> str | None:
     """The Pallas backend ("pallas" or "interpret") for a one-token lookup, else None
     (blocks of tokens and the reference backend keep the per-token masks)."""
@@ -343,9 +350,7 @@ class SnapKV(BudgetMethod):
         # without a GPU: the kept positions, which `dispatch.attention` gathers up to their count (a block's
         # tokens all see them). Sized by L, not by `capacity`: the budget is build-only (the quality
         # harness runs every SnapKV index through one canonical budget)
-        pos = jax.vmap(lambda m: jnp.nonzero(m, size=m.shape[0], fill_value=-1)[0])(keep).astype(jnp.int32)
-        return sel._replace(retrieval=squeezed.Retrieval(pos, jnp.sum(keep, axis=-1, dtype=jnp.int32),
-                                                         jnp.zeros(pos.shape[:1], bool)))
+        return sel._replace(retrieval=_kept_rows(keep))
 
     def expected_budget(self, length: int) -> float:
         return self.capacity(length) / length
@@ -503,6 +508,8 @@ class Saap(Method):
         else:
             scores = saap.nearest_centroid_scores(q_pre, unit)
             meta = float(unit.shape[-2])  # C key-sized centroid rows per KV head
+        from sqjax import dispatch
+
         backend = _kernel_backend(q)
         if backend:  # decode on a Pallas backend: the visited buckets' ids for the bucket kernel
             probes = min(self.probes, scores.shape[-1])
@@ -515,6 +522,8 @@ class Saap(Method):
         if backend:
             sel = sel._replace(retrieval=Buckets(index["off"][layer], index["lst"][layer], bucket_idx,
                                                  self.n_sink, n_recent))
+        elif q.shape[1] == 1 and dispatch.cpu_gathers():  # decode without a GPU: the visited rows, gathered
+            sel = sel._replace(retrieval=_kept_rows(mask[:, 0]))
         return sel
 
     def expected_budget(self, length: int) -> float:

@@ -644,7 +644,7 @@ def test_full_attention_gpu_path_equals_reference(model):
 def test_quest_and_saap_decode_kernel_paths_equal_reference(model, make):
     """On a Pallas backend (here the interpreter) a decode step of QUEST / SAAP runs the
     page-sparse / bucket kernels through `sqjax.dispatch`, and "auto" on a CPU gathers QUEST's
-    pages' rows; the logits equal the mask path's."""
+    pages' / SAAP's visited buckets' rows; the logits equal the mask path's."""
     from models.forward import forward_jit
 
     ctx = FixedContext.build(model, DOC, make(), chat=False)
@@ -681,19 +681,18 @@ def test_quest_and_saap_selections_carry_kernel_payloads(rng):
         else:
             assert isinstance(sel.retrieval, Buckets) and sel.retrieval.bucket_idx.shape == (2, 3)
         assert ref.retrieval is None
-        auto = m.select(index, 0, q, q, k[0])   # "auto" without a GPU: QUEST's pages as positions to gather
+        # "auto" without a GPU: QUEST's pages / SAAP's visited buckets as positions to gather
+        auto = m.select(index, 0, q, q, k[0])
         np.testing.assert_array_equal(np.asarray(auto.mask), np.asarray(ref.mask))
-        if isinstance(m, Quest):
-            ret = auto.retrieval
-            assert isinstance(ret, squeezed.Retrieval) and ret.idx.shape == (2, m.n_pages(300) * m.page)
-            for h in range(2):
-                pos = np.asarray(ret.idx[h, : int(ret.count[h])])
-                assert sorted(pos[pos >= 0].tolist()) == np.nonzero(np.asarray(ref.mask[h, 0]))[0].tolist()
-            with dispatch.using("reference"):   # no per-token pages for a block: its masks only
-                assert m.select(index, 0, jnp.tile(q, (1, 3, 1)), jnp.tile(q, (1, 3, 1)), k[0]).retrieval is None
+        ret = auto.retrieval
+        assert isinstance(ret, squeezed.Retrieval)
+        assert ret.idx.shape == (2, m.n_pages(300) * m.page if isinstance(m, Quest) else 300)
+        for h in range(2):
+            pos = np.asarray(ret.idx[h, : int(ret.count[h])])
+            assert sorted(pos[pos >= 0].tolist()) == np.nonzero(np.asarray(ref.mask[h, 0]))[0].tolist()
+        with dispatch.using("reference"):   # no per-token pages or buckets for a block: its masks only
             assert m.select(index, 0, jnp.tile(q, (1, 3, 1)), jnp.tile(q, (1, 3, 1)), k[0]).retrieval is None
-        else:
-            assert auto.retrieval is None
+        assert m.select(index, 0, jnp.tile(q, (1, 3, 1)), jnp.tile(q, (1, 3, 1)), k[0]).retrieval is None
 
 
 def test_ask_step_returns_its_inputs_in_their_buffers(model):
