@@ -66,3 +66,24 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+# CPU smoke runs of the GPU benchmark scripts (`@pytest.mark.bench_smoke`): each runs a script end to
+# end at tiny shapes, compiling every variant it times (1-5 min each, ~9 min of the suite's wall time
+# together). They check a script's plumbing before device time is spent on it, not the library, so
+# they are opt-in: `./scripts/test-benchmarks` (SQJAX_BENCH_SMOKES=1) runs them; the suite deselects
+# them and says so in its summary.
+BENCH_SMOKES = os.environ.get("SQJAX_BENCH_SMOKES") == "1"
+
+
+def pytest_configure(config):
+    # deselect by marker expression (xdist hands it to its workers), unless the caller chose one
+    if not BENCH_SMOKES and not config.option.markexpr:
+        config.option.markexpr = "not bench_smoke"
+        config._sqjax_deselects_smokes = True
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if getattr(config, "_sqjax_deselects_smokes", False):
+        terminalreporter.write_line("the GPU benchmark scripts' CPU smoke runs (bench_smoke) were deselected: "
+                                    "./scripts/test-benchmarks runs them")

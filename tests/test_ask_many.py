@@ -119,6 +119,7 @@ def test_bad_batches(ctx):
     assert ctx.ask("a?", max_new_tokens=2, stop_ids=np.asarray([10 ** 6])).stats.n_new_tokens == 2
 
 
+@pytest.mark.bench_smoke
 def test_batch_benchmark_plumbing(tmp_path):
     """`benchmarks.batch_ask` on a tiny checkpoint: both methods, answers compared, JSON + markdown."""
     from _tiny_model import save_hf_checkpoint
@@ -138,6 +139,7 @@ def test_batch_benchmark_plumbing(tmp_path):
     assert "| full | 2 × 3 |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.bench_smoke
 @pytest.mark.parametrize("method", ["squeezed", "hierarchical"])
 def test_batch_decode_benchmark_plumbing(tmp_path, method):
     """`benchmarks.batch_decode --cpu-smoke` (one- and two-level index): its checks pass (folded

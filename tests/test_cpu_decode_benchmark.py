@@ -9,6 +9,7 @@ from benchmarks import cpu_decode
 from sqjax import dispatch
 
 
+@pytest.mark.bench_smoke
 def test_cpu_decode_benchmark_writes_both_routes_beside_full_attention(tmp_path):
     ckpt = save_hf_checkpoint(tiny_model(), tmp_path / "ckpt")
     out = tmp_path / "res" / "d.json"

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -13,6 +15,7 @@ def _pos(x) -> bool:
   return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.bench_smoke
 def test_decode_profile_cpu_smoke(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CAPTURED_CONSTANTS_WARN_BYTES="16384",
              XLA_FLAGS="--xla_backend_optimization_level=0")

@@ -1,10 +1,12 @@
 """The GPU benchmark script's plumbing, exercised on CPU (``--cpu-smoke``)."""
 import json
 
+import pytest
 
 from benchmarks import gpu_kernels
 
 
+@pytest.mark.bench_smoke
 def test_cpu_smoke_writes_json_and_markdown(tmp_path, capsys):
   rc = gpu_kernels.main(["--cpu-smoke", "--out", str(tmp_path)])
   res = json.loads((tmp_path / "gpu_kernels.json").read_text())

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench_smoke
 def test_lookup_sweep_cpu_smoke(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "benchmarks.lookup_sweep", "--cpu-smoke", "--out", str(tmp_path)],
@@ -26,6 +29,7 @@ def test_lookup_sweep_cpu_smoke(tmp_path):
     assert "Fastest passing" in (tmp_path / "lookup_sweep.md").read_text()
 
 
+@pytest.mark.bench_smoke
 def test_lookup_decode_sweep_cpu_smoke(tmp_path):
     """--decode: 1-level and hierarchical decode lookups, each config checked against its reference."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")

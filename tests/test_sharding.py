@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
@@ -79,6 +81,7 @@ def test_2d_mesh_and_orbax_round_trip(rng, tmp_path):
         assert any(n.startswith(want) for n in names), (want, sorted(names))
 
 
+@pytest.mark.bench_smoke
 def test_gpu_benchmark_cpu_smoke(tmp_path):
     """benchmarks/gpu_sharded.py end to end at tiny shapes on 2 CPU host devices."""
     # a jitted closure over the fixed context would capture it as constants (GBs on a GPU): warn at 64 KB

@@ -30,6 +30,7 @@ def _kernel_rows_smoke(tmp_path, phase: str) -> dict:
     return json.loads((tmp_path / "speed.json").read_text())
 
 
+@pytest.mark.bench_smoke
 def test_speed_decode_rows_cpu_smoke(tmp_path):
     res = _kernel_rows_smoke(tmp_path, "decode")
     for key in ("meta", "plan", "kernels"):
@@ -116,6 +117,7 @@ def test_time_ms_looped_folds():
         looped_program(lambda q: q, 3, n_iter=5, fold="mean")
 
 
+@pytest.mark.bench_smoke
 def test_speed_prefill_rows_take_the_clustered_route(tmp_path):
     """The Squeezed prefill rows time the route FixedContext's question prefill takes on a GPU (the
     lookup kernels, then the selected clusters' rows of the cluster-contiguous copy), checked against
@@ -132,6 +134,7 @@ def test_speed_prefill_rows_take_the_clustered_route(tmp_path):
     assert any(x["overflow_heads"] == 0 for x in rows)
 
 
+@pytest.mark.bench_smoke
 def test_speed_end_to_end_cpu_smoke(tmp_path):
     """The end-to-end section: synced and pipelined decode of every variant, speed-ups, the table."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -403,6 +406,7 @@ def test_byte_tokenizer_reads_its_answers_back():
     assert tok.encode(tok.decode([5]) + "?") == [5, 3 + ord("?")]
 
 
+@pytest.mark.bench_smoke
 def test_follow_up_probe_cpu_smoke(tmp_path, monkeypatch):
     """`benchmarks.follow_up_probe --ab-routes` on the CPU plan: for both methods, every series' median
     is its timed calls' median, the follow-ups reuse the first turn, and the two routes of the
