@@ -214,3 +214,13 @@ def write_json(path: Path, payload: dict) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(payload, default=float))
+
+
+def report(payload: dict, markdown: str, out: str | None) -> None:
+    """Print a run's markdown table; with `out`, write the JSON there and the markdown beside it (.md)."""
+    from sqjax.index_io import write_text_atomic
+
+    print(markdown)
+    if out:
+        write_json(Path(out), payload)
+        write_text_atomic(Path(out).with_suffix(".md"), markdown)

@@ -15,9 +15,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from benchmarks._meta import metadata, write_json
+from benchmarks._meta import metadata, report
 
 QUESTIONS = (
     "What does json.dumps return?",
@@ -94,13 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file (a .md beside it); default: print only")
     args = ap.parse_args(argv)
     res = run(args.model, args.batch, args.tokens, args.reps)
-    md = to_markdown(res)
-    print(md)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, res)
-        out.with_suffix(".md").write_text(md)
+    report(res, to_markdown(res), args.out)
     return 0 if all(all(r["greedy_answers_equal"]) for r in res["rows"]) else 1
 
 

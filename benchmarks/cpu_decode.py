@@ -21,9 +21,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from benchmarks._meta import metadata, write_json
+from benchmarks._meta import metadata, report
 
 ALL_METHODS = ("squeezed", "hsqueezed", "quest", "snapkv", "saap")
 
@@ -142,13 +141,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"cpu_decode: error: {e}", file=sys.stderr)
         return 2
-    md = to_markdown(res)
-    print(md)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, res)
-        out.with_suffix(".md").write_text(md)
+    report(res, to_markdown(res), args.out)
     return 0 if all(r.get("same_tokens_as_mask", True) for r in res["rows"]) else 1
 
 
