@@ -77,7 +77,7 @@ BENCH_SMOKES = os.environ.get("SQJAX_BENCH_SMOKES") == "1"
 
 
 def pytest_configure(config):
-    # deselect by marker expression (xdist hands it to its workers), unless the caller chose one
+    # deselect by marker expression unless the caller chose one (xdist workers run this hook too)
     if not BENCH_SMOKES and not config.option.markexpr:
         config.option.markexpr = "not bench_smoke"
         config._sqjax_deselects_smokes = True
