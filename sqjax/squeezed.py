@@ -561,12 +561,14 @@ def _per_token(fn, q: jax.Array) -> jax.Array:
         return jax.vmap(lambda qt: fn(qt[:, None, :]), in_axes=1)(q)
 
 
-def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale: float, app_c=None):
+def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale: float, app_c=None,
+                     t1: float | None = None):
     """Decode thresholds: App. C's quantiles with each observation query a block of its own.
 
     layers: per-layer `SqueezedLayerIndex`; q_obs [Lyr, Hq, n, d]. T1 prunes `level1_prune` and T
     `sparsity` of the pooled (query, layer, head, key) scores of single queries, each key scoring
-    its cluster's Eq. 1 (Eq. 2 for T1: its parent's; Eq. 3 under T1 for T).
+    its cluster's Eq. 1 (Eq. 2 for T1: its parent's; Eq. 3 under T1 for T). A given `t1` (hierarchical
+    only) replaces T1's quantile: T is then the quantile under that T1.
     -> (T, T1, retrieved fraction [Lyr, Hs] of single calibration queries at (T, T1), queries used,
     the same fraction at the pair `app_c` (App. C's T, T1: what decode reads without these) or None).
     """
@@ -589,12 +591,17 @@ def token_thresholds(layers: list, q_obs: jax.Array, cfg: SqueezedConfig, scale:
     def kept(scores, t):  # [Lyr, Hs]
         return np.stack([np.where(np.asarray(x) > t, wi, 0).sum(-1).mean(0) / lc for x, wi in zip(scores, w)])
 
-    t1 = 0.0
-    if cfg.hierarchical:
+    if t1 is not None:
+        if not cfg.hierarchical:
+            raise ValueError(f"t1={t1} given for a 1-level index: only a hierarchical index has a level-1 threshold")
+        t1 = float(t1)
+    elif cfg.hierarchical:
         parent_scores = [_per_token(lambda qt, li=li: jnp.take_along_axis(
             cluster_scores(qt, li.centroids1, li.counts1, scale, cfg.vote), per_selection_head(li.parent, hs), axis=-1),
             q) for li, q in zip(layers, qs)]
         t1 = quantile(parent_scores, cfg.level1_prune)
+    else:
+        t1 = 0.0
     scores = scores_at(t1)
     t = quantile(scores, cfg.sparsity)
     at_app_c = None

@@ -376,17 +376,18 @@ def test_token_calibration_is_the_single_query_quantile(rng, hierarchical):
                                                li.parent, axis=-1), li.labels)
                 for i, li in enumerate(per) for j in range(n_obs)]
         t1 = global_threshold(lvl1, 0.5)
-    keys = [key_scores(squeezed.layer_scores(li, q_obs[i][:, j:j + 1], t1, scale, "kv")[0], li.labels)
-            for i, li in enumerate(per) for j in range(n_obs)]
+    def keys_at(t1):  # every single query's key scores under T1
+        return [key_scores(squeezed.layer_scores(li, q_obs[i][:, j:j + 1], t1, scale, "kv")[0], li.labels)
+                for i, li in enumerate(per) for j in range(n_obs)]
+
+    keys = keys_at(t1)
     t = global_threshold(keys, 0.8)
     assert info["threshold_decode"] == pytest.approx(t, rel=1e-6)
     assert info["threshold1_decode"] == pytest.approx(t1, rel=1e-6)
     assert info["decode_calibration_queries"] == n_obs
     kept = np.mean([float(jnp.mean(x > t)) for x in keys])
     # what single queries read at App. C's pair (the decode budget without decode thresholds)
-    at_app_c = [key_scores(squeezed.layer_scores(li, q_obs[i][:, j:j + 1], idx.threshold1, scale, "kv")[0], li.labels)
-                for i, li in enumerate(per) for j in range(n_obs)]
-    want = np.mean([float(jnp.mean(x > idx.threshold)) for x in at_app_c])
+    want = np.mean([float(jnp.mean(x > idx.threshold)) for x in keys_at(idx.threshold1)])
     assert np.mean(np.asarray(info["decode_retrieved_fraction_app_c"])) == pytest.approx(want, abs=1e-6)
     assert abs(kept - 0.2) < 0.01 and np.mean(np.asarray(info["decode_retrieved_fraction"])) == pytest.approx(kept, abs=1e-6)
     assert idx.thresholds(1) == (idx.threshold_decode, idx.threshold1_decode)
@@ -396,6 +397,13 @@ def test_token_calibration_is_the_single_query_quantile(rng, hierarchical):
     top = max(float(np.max(np.asarray(info["decode_retrieved_fraction"]))),
               float(np.max(np.asarray(info["calibrated_retrieved_fraction"]))))
     assert idx.capacity >= n_obs + top * lc
+    args = (per, q_obs, SqueezedConfig(**base, decode_calibration="token"), scale)
+    if hierarchical:  # a given T1 replaces its quantile; T is the quantile under it
+        t_at, t1_at = squeezed.token_thresholds(*args, t1=1.5 * t1)[:2]
+        assert t1_at == 1.5 * t1 and t_at == pytest.approx(global_threshold(keys_at(1.5 * t1), 0.8), rel=1e-6)
+    else:
+        with pytest.raises(ValueError, match="1-level index"):
+            squeezed.token_thresholds(*args, t1=0.1)
 
 
 def test_token_queries_are_evenly_spaced_under_the_pool(monkeypatch):

@@ -268,12 +268,20 @@ def _main(case: str, seed: int) -> None:
             err = max(abs(info["threshold"] - t) / abs(t), abs(info["threshold1"] - t1) / max(abs(t1), 1e-30))
             add(f"calibration/{tag}", err <= TOL, err=err, T=info["threshold"], T1=info["threshold1"])
             # decode thresholds (each observation query alone) == the single-device calibration's
-            td, td1, dfrac, _, app_c = squeezed.token_thresholds([eq.layer(i) for i in range(s["layers"])],
-                                                                jnp.asarray(q_obs), cfg, scale, (t, t1))
+            per = [eq.layer(i) for i in range(s["layers"])]
+            td, td1, dfrac, _, app_c = squeezed.token_thresholds(per, jnp.asarray(q_obs), cfg, scale, (t, t1))
             _, lcs = sh._shard_sizes(length, sh.mesh_shape(mesh)[0], cfg.n_sink, cfg.n_obs)
             overall = lambda f: (f * np.asarray(lcs)).sum(-1) / sum(lcs)  # noqa: E731  per-device -> whole context
-            err = max(abs(info["threshold_decode"] - td) / abs(td),
-                      abs(info["threshold1_decode"] - td1) / max(abs(td1), 1e-30))
+            err1 = abs(info["threshold1_decode"] - td1) / max(abs(td1), 1e-30)
+            err = max(abs(info["threshold_decode"] - td) / abs(td), err1)
+            if cfg.hierarchical and err1 <= TOL < err:
+                # T1 agrees to TOL, but a level-1 cluster whose score sits within rounding of T1 survives on one
+                # side only, and T (a quantile of the Eq. 3 scores under T1) moves with it (seed 949198114:
+                # T1 off by 1.2e-7 moved T by 4.7e-4). T must then be the single-device T under a T1 within TOL.
+                near = [squeezed.token_thresholds(per, jnp.asarray(q_obs), cfg, scale, t1=td1 * (1 + e))[0]
+                        for e in (-TOL, TOL)]
+                lo, hi = min(near + [td]), max(near + [td])
+                err = max(err1, max(lo - info["threshold_decode"], info["threshold_decode"] - hi, 0.0) / abs(td))
             # the same fractions, up to a cluster whose score sits within rounding of a threshold
             frac_err = max(float(np.max(np.abs(overall(info["decode_retrieved_fraction"]) - dfrac))),
                            float(np.max(np.abs(overall(info["decode_retrieved_fraction_app_c"]) - app_c))))
