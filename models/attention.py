@@ -85,6 +85,20 @@ def _pick_block(n: int, preferred: int) -> tuple[int, int]:
     return b, -(-n // b) * b
 
 
+def online_softmax_step(m, l, acc, s, weighted_values):
+    """One more block of keys in Flash-Attention's running softmax.
+
+    m, l [...]: running max and sum of exp(s − m); acc [..., d]: the unnormalised output; s [..., n]
+    f32 scaled scores of the block (−inf = not visible); weighted_values: p [..., n] -> [..., d]
+    (the block's values weighted by p). -> (m, l, acc) after the block; o = acc / l once l > 0.
+    """
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])  # 0 where not visible
+    corr = jnp.exp(m - m_safe)          # 0 while nothing was seen
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + weighted_values(p)
+
+
 def _blocked_attention(q, k, v, q_pos, kv_pos, scale):
     B, T, Hq, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -119,13 +133,8 @@ def _blocked_attention(q, k, v, q_pos, kv_pos, scale):
                 s = jnp.einsum("bkgtd,bksd->bkgts", qi, kj.astype(qi.dtype), preferred_element_type=jnp.float32)
                 mask = ((pj >= 0)[:, None, :] & (pj[:, None, :] <= qpi[:, :, None]))[:, None, None]
                 s = jnp.where(mask, s * jnp.float32(scale), -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(s - m_safe[..., None])
-                corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-                l = l * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
-                return m_new, l, acc * corr[..., None] + pv
+                return online_softmax_step(m, l, acc, s, lambda p: jnp.einsum(
+                    "bkgts,bksd->bkgtd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32))
 
             visible = jnp.any(blk_min[:, j] <= reach)
             return jax.lax.cond(visible, compute, lambda c: c, carry), None

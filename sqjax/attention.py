@@ -157,6 +157,8 @@ def retrieved_attention(
     r = hq // hs
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1; got {chunk}")
+    from models.attention import online_softmax_step  # lazily: `models` pulls in flax
+
     chunk = min(chunk, max(cap, 1))
     n_chunks = -(-cap // chunk)
     kvh = (jnp.arange(hs, dtype=jnp.int32) * r) // (hq // hkv)                  # [Hs] KV head of each selection head
@@ -172,11 +174,7 @@ def retrieved_attention(
         kk = jnp.where(ok[..., None], k_fixed[kvh[:, None], ii], 0).astype(jnp.float32)   # [Hs, chunk, d]
         vv = jnp.where(ok[..., None], v_fixed[kvh[:, None], ii], 0).astype(jnp.float32)   # (rows not read: 0)
         s = jnp.where(ok[:, None, :], jnp.einsum("hrd,hcd->hrc", qs, kk), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])                                       # 0 where masked
-        a = jnp.exp(m - m_safe)                                                  # 0 while nothing was seen
-        return m_new, l * a + jnp.sum(p, axis=-1), acc * a[..., None] + jnp.einsum("hrc,hcd->hrd", p, vv)
+        return online_softmax_step(m, l, acc, s, lambda p: jnp.einsum("hrc,hcd->hrd", p, vv))
 
     zero = jnp.zeros((hs, r * t), jnp.float32)
     n_live = (jnp.max(cnt, initial=0) + chunk - 1) // chunk                      # chunks holding a valid row
