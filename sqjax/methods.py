@@ -206,6 +206,9 @@ class Squeezed(Method):
         mask = squeezed.retrieval_mask(ret, length)[:, None, :]
         return Selection(mask, ret.count[:, None], touched[:, None].astype(jnp.float32), ret.overflow, ret)
 
+    def check_length(self, length: int) -> None:
+        self.config.check_length(length, self.label)
+
     def expected_budget(self, length: int) -> float:
         lc = length - self.n_obs - self.n_sink
         c2 = self.config.n_clusters(lc)[0]
@@ -327,6 +330,12 @@ class SnapKV(BudgetMethod):
 
     def capacity(self, length: int) -> int:
         return max(self.window, min(length, round(self.budget * length)))
+
+    def check_length(self, length: int) -> None:
+        if length <= self.window:   # the window's queries vote on the keys before it
+            raise ValueError(f"the fixed context (the document in its chat template) has {length} tokens, not more than "
+                             f"SnapKV's observation window of {self.window}: it needs at least {self.window + 1} tokens; "
+                             "give a longer document or a smaller window")
 
     def build(self, data: ContextData):
         if data.q_obs.shape[2] < self.window:

@@ -466,6 +466,37 @@ class SqueezedConfig:
             raise ValueError(f"level-1 clusters ({c1}) must be fewer than level-2 clusters ({c2})")
         return c2, c1
 
+    def check_length(self, length: int, label: str = "Squeezed Attention") -> None:
+        """Raise ValueError, saying the shortest length that works, when a `length`-token fixed
+        context leaves nothing to cluster: its first n_sink and last n_obs tokens are attended
+        exactly and the rest (Lc keys) are clustered into `n_clusters(Lc)` clusters."""
+        exact = self.n_obs + self.n_sink
+        try:
+            if length - exact < 1:
+                raise ValueError("no key is left to cluster")
+            self.n_clusters(length - exact)
+            return
+        except ValueError as e:
+            why = str(e)
+        lc = length - exact
+        longer = next((n for n in range(max(lc + 1, 1), 1 << 18) if self._clusters_fit(n)), None)
+        if longer is None:   # only a fixed n_centroids can fail for every longer context
+            raise ValueError(f"{label} cannot index a {length}-token fixed context ({lc} clustered keys): {why}; "
+                             "change n_centroids, centroid_fraction or level1_fraction") from None
+        raise ValueError(
+            f"the fixed context (the document in its chat template) has {length} tokens, too few for {label}: it attends "
+            f"the first n_sink = {self.n_sink} and the last n_obs = {self.n_obs} tokens exactly and clusters the rest, "
+            f"and {why}; it needs at least {exact + longer} tokens. Give a longer document, a smaller n_obs, or a "
+            "method that keeps every key (full)"
+        ) from None
+
+    def _clusters_fit(self, n_clustered: int) -> bool:
+        try:
+            self.n_clusters(n_clustered)
+            return True
+        except ValueError:
+            return False
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -146,6 +146,13 @@ def test_errors_are_one_clear_line(capsys, model_dir, doc_file, tmp_path):
     assert code != 0 and "document is empty" in _error_line(err)
     assert not (tmp_path / "e.sqx").exists()
 
+    short = tmp_path / "short.txt"
+    short.write_text("Record 1: the red valve was serviced.")
+    code, _, err = _run(capsys, "index", str(short), "-o", str(tmp_path / "s.sqx"), "--model", model_dir,
+                        "--method", "hsqueezed")
+    assert code != 0 and "too few for hsqueezed" in _error_line(err) and "it needs at least 131 tokens" in err
+    assert not (tmp_path / "s.sqx").exists()
+
     code, _, err = _run(capsys, "index", str(doc_file), "-o", str(tmp_path / "nodir" / "x.sqx"), "--model", model_dir)
     assert code != 0 and "does not exist" in _error_line(err)
 

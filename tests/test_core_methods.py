@@ -469,6 +469,40 @@ def test_saap_short_document_names_the_bucket_count(rng):
     assert info["n_buckets"] == 4
 
 
+@pytest.mark.parametrize("method, shortest, message", [
+    # one key past the exact sink + tail: one cluster
+    (Squeezed(n_sink=1), 102, "it attends the first n_sink = 1 and the last n_obs = 100 tokens exactly"),
+    # 30 clustered keys: round(0.05 * 30) = 2 level-2 clusters, more than the one level-1 cluster
+    (HierarchicalSqueezed(n_sink=1), 131, r"level-1 clusters \(1\) must be fewer than level-2 clusters \(1\)"),
+    # 8 clustered keys: round(0.2 * 8) = 2 level-2 clusters over max(1, round(0.05 * 8)) = 1
+    (HierarchicalSqueezed(n_obs=20, centroid_fraction=0.2, level1_fraction=0.05), 28, "the last n_obs = 20 tokens"),
+    # the 32 window queries vote on the keys before them
+    (SnapKV(budget=0.2), 33, "not more than SnapKV's observation window of 32"),
+], ids=["squeezed", "hsqueezed", "hsqueezed-small", "snapkv"])
+def test_a_context_too_short_for_the_method_names_the_shortest_that_builds(rng, method, shortest, message):
+    """`check_length` (run by `FixedContext.build` before the prefill) says how many tokens the
+    method needs, and a context of exactly that many builds."""
+    with pytest.raises(ValueError, match=f"has {shortest - 1} tokens.*{message}.*it needs at least {shortest} tokens"
+                                         ".*longer document"):
+        method.check_length(shortest - 1)
+    method.check_length(shortest)
+    k = jnp.asarray(rng.normal(size=(1, 2, shortest, 16)).astype(np.float32))
+    q_obs = jnp.asarray(rng.normal(size=(1, 4, min(100, shortest), 16)).astype(np.float32))
+    index, _ = method.build(ContextData(k, k, q_obs, k_pre=k, scale=0.25))
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(index)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def test_hierarchical_settings_that_fit_no_longer_context_say_so():
+    """A fixed n_centroids below the level-1 count fails for every longer context too: the
+    message asks for other settings, not a longer document."""
+    m = HierarchicalSqueezed(n_centroids=3, level1_fraction=0.5)
+    m.check_length(103)   # 3 clustered keys: 3 level-2 over round(1.5) = 2 level-1 clusters
+    with pytest.raises(ValueError, match=r"cannot index a 131-token fixed context \(31 clustered keys\): level-1 "
+                                         r"clusters \(16\) must be fewer than level-2 clusters \(3\); change n_centroids"):
+        m.check_length(131)
+
+
 def test_the_largest_seed_builds(rng):
     """Seeds are uint32: 2**32 - 1 is valid, and the seeds derived from it for each layer group
     and level wrap instead of overflowing."""

@@ -738,6 +738,19 @@ def test_streaming_sink_past_the_budget_fails_before_any_work(model, full_ctx, m
         FixedContext.build(model, DOC, bad, chat=False)
 
 
+def test_a_document_too_short_for_the_method_fails_before_any_work(model, full_ctx, monkeypatch):
+    """A document too short to cluster, or to hold SnapKV's window, is an error naming the length the
+    method needs: at `with_method`, and before `build`'s prefill."""
+    n = full_ctx.n_tokens
+    with pytest.raises(ValueError, match=f"has {n} tokens, too few for squeezed@0.9.*it needs at least {n + 1} tokens"):
+        full_ctx.with_method(Squeezed(n_obs=n))   # the exact tail would leave nothing to cluster
+    monkeypatch.setattr(fc, "_prefill_document", lambda *a, **k: pytest.fail("prefilled before the check"))
+    for method, what in ((HierarchicalSqueezed(n_sink=1), "too few for hsqueezed.*at least 131 tokens"),
+                         (SnapKV(budget=0.5), "SnapKV's observation window of 32: it needs at least 33 tokens")):
+        with pytest.raises(ValueError, match=f"has \\d+ tokens.*{what}"):
+            FixedContext.build(model, "Aisle 3 holds the lamps.", method, chat=False)
+
+
 def test_system_message_before_the_document(model, tmp_path, monkeypatch):
     """`system` replaces the chat template's default system turn; it is part of the fixed prefix,
     kept by `with_method`, `save` and `load`, and checked before anything runs."""
