@@ -789,7 +789,9 @@ class FixedContext:
         if mode not in ("prefill", "decode"):
             raise SqjaxError(f"mode must be 'prefill' or 'decode'; got {mode!r}")
         if self.n_tokens + len(ids) > self.model.config.max_position_embeddings:
-            raise SqjaxError(f"document + {len(ids)} tokens exceed the model's context")
+            raise SqjaxError(f"document ({self.n_tokens}) + {len(ids)} tokens to score = {self.n_tokens + len(ids)} tokens "
+                             f"exceed the model's context of {self.model.config.max_position_embeddings}; score a "
+                             "shorter text")
         inp = ids[:-1]
         if mode == "prefill":
             padded = _left_pad([inp])[0]

@@ -357,6 +357,9 @@ def test_document_longer_than_context():
     assert ctx.n_tokens == 512 - 256
     with pytest.raises(SqjaxError, match="exceed the model's context of 512"):
         ctx.ask("Which aisle?", max_new_tokens=400)
+    with pytest.raises(SqjaxError, match=r"document \(256\) \+ 300 tokens to score = 556 tokens exceed the model's "
+                                         "context of 512; score a shorter text"):
+        ctx.score_ids(np.arange(300) % 50 + 10)
 
 
 def _write_index(full_ctx, tmp_path) -> Path:
