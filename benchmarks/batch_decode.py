@@ -52,6 +52,7 @@ import numpy as np
 
 from benchmarks._meta import metadata, time_ms_looped, write_json
 from benchmarks._profile import kernel_time_per_call
+from sqjax.index_io import write_text_atomic
 
 BF16 = jnp.bfloat16
 N_NEW = 16          # each row's own new keys (question + answer so far)
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
 
     def save(res):
         write_json(out / "batch_decode.json", res)
-        (out / "batch_decode.md").write_text(to_markdown(res))
+        write_text_atomic(out / "batch_decode.md", to_markdown(res))
 
     res = run(plan, KeySource(args.keys, plan), lengths, batches, backend, impl, n_iter, save=save,
               method=args.method, ab_level2_rows=args.ab_level2_rows)

@@ -65,6 +65,7 @@ from benchmarks._meta import metadata, time_ms, time_ms_looped, write_json
 from benchmarks.gpu_kernels import (build_clustered_layout, calibrate_threshold, copy_bandwidth,
                                     rel_err, short_error)
 from pallas_kernels import clustered_attention as clat
+from sqjax.index_io import write_text_atomic
 from pallas_kernels.centroid_lookup import centroid_lookup_reference
 from pallas_kernels.clustered_attention import (ClusteredConfig, clustered_decode_attention,
                                                 clustered_decode_attention_reference)
@@ -593,7 +594,7 @@ def main(argv=None) -> int:
   res["wall_s"] = time.perf_counter() - t_start
   write_json(out_dir / "decode_profile.json", res)
   md = to_markdown(res)
-  (out_dir / "decode_profile.md").write_text(md)
+  write_text_atomic(out_dir / "decode_profile.md", md)
   print()
   print(md)
   ok = all("whole" in c["split_ms"] and (c.get("check") or {}).get("status") == "PASS"

@@ -232,9 +232,10 @@ def model_shape_check(log, hq=32, hkv=8, d=128, t=160, n_prefix=2058, capacity=4
 def _save():
     out = RESULTS.get("_out")
     if out:
-        with open(os.path.join(out, "probe.json.tmp"), "w") as f:
-            json.dump({k: v for k, v in RESULTS.items() if k != "_out"}, f, indent=1, default=str)
-        os.replace(os.path.join(out, "probe.json.tmp"), os.path.join(out, "probe.json"))
+        from sqjax.index_io import write_text_atomic
+
+        write_text_atomic(os.path.join(out, "probe.json"),
+                          json.dumps({k: v for k, v in RESULTS.items() if k != "_out"}, indent=1, default=str))
 
 
 def _pop_option(argv: list, flag: str, default: str) -> str:

@@ -67,6 +67,7 @@ from pallas_kernels import (AttentionConfig, centroid_lookup_decode,
                             sparse_attention_reference)
 from pallas_kernels import clustered_attention as clat
 from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, mosaic_applies, quantized_inputs
+from sqjax.index_io import write_text_atomic
 from pallas_kernels.sparse_attention import (GATHER_ZERO, _compact, gather_live_rows,
                                              gather_live_rows_reference)
 from pallas_kernels.clustered_attention import (ClusteredConfig, cluster_sort_layout,
@@ -1125,11 +1126,10 @@ def main(argv=None) -> int:
       res["errors"][f"L={num_l}"] = short_error(e)
       traceback.print_exc(file=sys.stderr)
   res["seconds"] = time.perf_counter() - t_start
-  with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
-    json.dump(res, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+  write_text_atomic(os.path.join(args.out, "gpu_kernels.json"),
+                    json.dumps(res, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
   md = to_markdown(res)
-  with open(os.path.join(args.out, "gpu_kernels.md"), "w") as f:
-    f.write(md)
+  write_text_atomic(os.path.join(args.out, "gpu_kernels.md"), md)
   print()
   print(md)
   n_bad = sum(c["status"] != "PASS" for c in res["checks"])

@@ -79,6 +79,7 @@ from benchmarks._meta import time_ms, time_ms_looped, time_ms_unrolled  # noqa: 
 from benchmarks._profile import trace_calls  # noqa: E402
 from sqjax import sharding as sh  # noqa: E402
 from sqjax import squeezed  # noqa: E402
+from sqjax.index_io import write_text_atomic  # noqa: E402
 
 BF16 = jnp.bfloat16
 ONE_GPU = ("1gpu_lib", "1gpu_clustered", "1gpu_clustered_rsf", "1gpu_mesh/clustered", "1gpu_mesh/score",
@@ -377,8 +378,7 @@ def run_decode(plan: Plan, devs, out: dict, t_start: float) -> None:
     for name, mesh, big, sets in (("2gpu", mesh2, big_c2, sets2), ("1gpu_mesh", mesh1, big_c1m, sets1)):
       try:
         hlo = jax.jit(sharded_clustered(mesh)).lower(*sets[0], *big).compile().as_text()
-        with open(os.path.join(plan.out, f"hlo_{name}_clustered.txt"), "w") as fh:
-          fh.write(hlo)
+        write_text_atomic(os.path.join(plan.out, f"hlo_{name}_clustered.txt"), hlo)
       except Exception as e:  # noqa: BLE001
         info["errors"].append(f"hlo {name}: {short_error(e)}")
     diag = [("diag/2gpu/clustered_nostats", sharded_clustered(mesh2, "no_stats"), big_c2, sets2),
@@ -734,11 +734,9 @@ def main(argv=None) -> int:
       else:
         out["cases"].append({"name": name, "errors": [short_error(e)]})
   out["wall_s"] = round(time.perf_counter() - t_start, 1)
-  with open(os.path.join(args.out, "gpu_sharded.json"), "w") as f:
-    json.dump(out, f, indent=1, default=str)
+  write_text_atomic(os.path.join(args.out, "gpu_sharded.json"), json.dumps(out, indent=1, default=str))
   md = markdown(out)
-  with open(os.path.join(args.out, "gpu_sharded.md"), "w") as f:
-    f.write(md)
+  write_text_atomic(os.path.join(args.out, "gpu_sharded.md"), md)
   print(md)
   return 0 if all(not c.get("errors") for c in out["cases"]) else 1
 

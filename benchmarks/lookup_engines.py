@@ -29,6 +29,7 @@ from benchmarks._meta import metadata
 from pallas_kernels.centroid_lookup import DEFAULT_PREFILL, lookup_prefill_scores
 from pallas_kernels.hierarchical_lookup import hierarchical_lookup_prefill
 from pallas_kernels.lookup_mosaic import DEFAULT_MOSAIC, MosaicLookupConfig, lookup_prefill_scores_mosaic
+from sqjax.index_io import write_text_atomic
 
 MOSAIC_CONFIGS = [DEFAULT_MOSAIC, MosaicLookupConfig()]
 
@@ -235,7 +236,7 @@ def main(argv=None):
                                           centroids=num_c, bound=args.bound, dtype="bfloat16"),
              reps=args.reps, timing="median of reps calls, each ending in block_until_ready", rows=rows)
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "lookup_engines.json").write_text(json.dumps(res, indent=1))
+  write_text_atomic(args.out / "lookup_engines.json", json.dumps(res, indent=1))
   md = ["| call | engine | tiling | ms | TFLOP/s | vs Triton | rel. err. vs f32 |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     if "error" in r:
@@ -244,7 +245,7 @@ def main(argv=None):
     md.append(f"| {'bounded' if r['bounded'] else '1-level'} | {r['engine']} | {r['config']} | "
               f"{r['seconds'] * 1e3:.3f} | {r['tflops']:.0f} | {r.get('ratio_vs_triton', 1.0):.2f} | "
               f"{r['rel_err_ref']:.1e} |")
-  (args.out / "lookup_engines.md").write_text("\n".join(md) + "\n")
+  write_text_atomic(args.out / "lookup_engines.md", "\n".join(md) + "\n")
   print("\n".join(md))
   return 0
 

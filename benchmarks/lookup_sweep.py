@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._meta import metadata, time_ms, write_json
+from sqjax.index_io import write_text_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     write_json(out / "lookup_sweep.json", res)
     md = to_markdown(res)
-    (out / "lookup_sweep.md").write_text(md)
+    write_text_atomic(out / "lookup_sweep.md", md)
     print(md)
     return 0
 
@@ -395,7 +396,7 @@ def _main_decode(args) -> int:
     out = Path(args.out)
     write_json(out / "lookup_decode_sweep.json", res)
     md = decode_to_markdown(res)
-    (out / "lookup_decode_sweep.md").write_text(md)
+    write_text_atomic(out / "lookup_decode_sweep.md", md)
     print(md)
     return 0 if "best_ratio" in res else 1
 

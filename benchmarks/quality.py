@@ -587,22 +587,10 @@ def per_document_lines(records: list[dict]) -> list[str]:
     return lines
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically (an interrupted run never leaves a torn file)."""
-    from sqjax.index_io import write_text_atomic
-
-    write_text_atomic(path, text)
-
-
-def _savefig_atomic(fig, path: Path, **kw) -> None:
-    """`fig.savefig` atomically; the format is explicit because the temporary name ends in .tmp."""
-    from sqjax.index_io import write_atomic
-
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", **kw))
-
-
 def write_table(path: Path, rows: list[dict], h2h: list[dict], pk: list[dict], meta: dict,
                 per_doc: list[str] | None = None) -> str:
+    from sqjax.index_io import write_text_atomic
+
     lines = [f"# Quality at matched KV budgets — {meta['model']}", "",
              f"{meta['n_docs']} documents ({', '.join(meta['docs'])}); fixed context {meta['context_tokens']} tokens; "
              f"scored continuation {meta['continuation']} tokens; question answer {meta['answer_tokens']} tokens. "
@@ -659,12 +647,14 @@ def write_table(path: Path, rows: list[dict], h2h: list[dict], pk: list[dict], m
                          f"{r['success']:.0%} ({r['trials']}) | {cond} | {_fmt(r['kv_budget'], 3)} | "
                          f"{_fmt(r['token_fraction'], 3)} |")
     text = "\n".join(lines) + "\n"
-    _write_text_atomic(path, text)
+    write_text_atomic(path, text)
     return text
 
 
 def plot(out: Path, rows: list[dict], records: list[dict]) -> list[str]:
     import matplotlib
+
+    from sqjax.index_io import write_figure_atomic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -695,7 +685,7 @@ def plot(out: Path, rows: list[dict], records: list[dict]) -> list[str]:
         axes[0].legend(fontsize=8)
         fig.suptitle(f"{ylabel.split(' (')[0]} vs measured KV budget (mean over {len({r['doc'] for r in records})} documents)")
         fig.tight_layout()
-        _savefig_atomic(fig, out / fname, dpi=110)
+        write_figure_atomic(fig, out / fname, dpi=110)
         plt.close(fig)
         files.append(fname)
     # per-layer breakdown at the most aggressive level
@@ -720,13 +710,15 @@ def plot(out: Path, rows: list[dict], records: list[dict]) -> list[str]:
         axes[0].legend(fontsize=8)
         fig.suptitle(f"per-layer breakdown at level {lv} (mean over documents and heads; legend: measured KV budget)")
         fig.tight_layout()
-        _savefig_atomic(fig, out / "per_layer.png", dpi=110)
+        write_figure_atomic(fig, out / "per_layer.png", dpi=110)
         plt.close(fig)
         files.append("per_layer.png")
     return files
 
 
 def report(out: Path, store: Store, settings: Settings, meta: dict) -> dict:
+    from sqjax.index_io import write_text_atomic
+
     records = store.of_kind("cell", settings.setup_key())
     docs = [d["name"] for d in meta.get("documents", [])]
     if docs:
@@ -753,7 +745,7 @@ def report(out: Path, store: Store, settings: Settings, meta: dict) -> dict:
         for mode in ("decode", "prefill", "question"):
             if r.get(mode):
                 r[mode] = {k: v for k, v in r[mode].items() if k != "kl_tokens"}
-    _write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=1, default=float))
+    write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=1, default=float))
     return {"table": table, "plots": plots, "rows": rows, "head_to_head": h2h, "passkey": pk}
 
 
@@ -793,6 +785,8 @@ def check_out_dir(out: Path) -> None:
 
 def run(model, docs: list[Document], settings: Settings, out: Path, *, progress=True, log=print) -> dict:
     """Evaluate (resumably) and write the report. Returns {"computed": [...], "report": ...}."""
+    from sqjax.index_io import write_text_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     store = Store(out / "cells.jsonl")
     computed = []
@@ -817,7 +811,7 @@ def run(model, docs: list[Document], settings: Settings, out: Path, *, progress=
         "cells_computed_this_invocation": len(computed),
         "wall_seconds_total": old.get("wall_seconds_total", 0.0) + wall if computed else old.get("wall_seconds_total", wall),
     }
-    _write_text_atomic(cfg_path, json.dumps(config, indent=1, default=str))
+    write_text_atomic(cfg_path, json.dumps(config, indent=1, default=str))
     rep = report(out, store, settings, config | {"model": config["model"]})
     return {"computed": computed, "report": rep, "config": config}
 

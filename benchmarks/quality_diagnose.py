@@ -34,6 +34,7 @@ from benchmarks.quality_engine import Runner, _sparse, canonical, compute_refere
 from sqjax import squeezed as sq
 from sqjax.attention import expand_heads
 from sqjax.baselines import true_attention
+from sqjax.index_io import write_figure_atomic, write_text_atomic
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -147,7 +148,7 @@ def plot(out_dir: Path, res: dict) -> None:
     fig.suptitle(f"{res['doc']}, level {res['level']}, decode lookups on full attention's queries "
                  f"({res['tokens_evaluated']} continuation tokens)")
     fig.tight_layout()
-    fig.savefig(out_dir / "diagnose_sink.png", dpi=110)
+    write_figure_atomic(fig, out_dir / "diagnose_sink.png", dpi=110)
     plt.close(fig)
 
 
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     store = Q.Store(out / "cells.jsonl") if (out / "cells.jsonl").exists() else None
     model = sqjax.load_model(args.model)
     res = diagnose(model, docs[args.doc], Q.Settings(), args.level, store)
-    (out / "diagnose_sink.json").write_text(json.dumps(res))
+    write_text_atomic(out / "diagnose_sink.json", json.dumps(res))
     plot(out, res)
     print(f"wrote {out / 'diagnose_sink.json'} and {out / 'diagnose_sink.png'}")
     return 0

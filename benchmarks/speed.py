@@ -44,6 +44,7 @@ import numpy as np
 from benchmarks._meta import (dispatch_ms, hbm_peak_tbps, metadata, time_ms, time_ms_looped, time_ms_steady,
                               time_ms_unrolled, write_json)
 from benchmarks._profile import device_activity, kernel_time_per_call, loop_trace
+from sqjax.index_io import write_figure_atomic, write_text_atomic
 
 BF16 = jnp.bfloat16
 
@@ -1709,7 +1710,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title(f"Squeezed Attention, L={length}, Hq/Hkv={shape[0]}/{shape[1]}, {res['meta']['device']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure_atomic(fig, path, dpi=120)
 
 
 # plan settings that change what a row measures: runs that differ in one are not one result
@@ -1769,7 +1770,7 @@ def _write_merged(dirs: list[str], out_dir: Path) -> dict:
     res = merge_runs(runs, [str(d) for d in dirs])
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "speed.json", res)
-    (out_dir / "speed.md").write_text(to_markdown(res))
+    write_text_atomic(out_dir / "speed.md", to_markdown(res))
     plot(res, out_dir / "fig4_latency_vs_sparsity.png")
     return res
 
@@ -1874,7 +1875,7 @@ def main(argv_or_args=None) -> int:
     def save():  # after every section (and every kernel length): a run cut short keeps what it measured
         res["seconds"] = time.perf_counter() - t_start
         write_json(out_dir / "speed.json", res)
-        (out_dir / "speed.md").write_text(to_markdown(res))
+        write_text_atomic(out_dir / "speed.md", to_markdown(res))
 
     offline = None
     if "offline" not in skip:

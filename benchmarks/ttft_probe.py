@@ -255,9 +255,10 @@ def ab_rows(model, methods, data, length, n_prompt, n_new, log, batches=()) -> d
 def _save(log):
     out = RESULTS.get("_out")
     if out:
-        with open(os.path.join(out, "probe.json.tmp"), "w") as f:
-            json.dump({k: v for k, v in RESULTS.items() if k != "_out"}, f, indent=1, default=str)
-        os.replace(os.path.join(out, "probe.json.tmp"), os.path.join(out, "probe.json"))
+        from sqjax.index_io import write_text_atomic
+
+        write_text_atomic(os.path.join(out, "probe.json"),
+                          json.dumps({k: v for k, v in RESULTS.items() if k != "_out"}, indent=1, default=str))
 
 
 def main() -> int:

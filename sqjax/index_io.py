@@ -174,6 +174,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def write_figure_atomic(fig, path: str | os.PathLike, **savefig_kwargs) -> None:
+    """`write_atomic` of a matplotlib figure (``fig.savefig``; the format comes from `path`'s suffix,
+    since the temporary file's name ends in .tmp)."""
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_kwargs))
+
+
 def save_index(path, tree, header: dict) -> None:
     """Write `tree` (the index pytree) and `header` (JSON-able facts) atomically to `path`
     (`check_index_target` first: nothing but an index is ever overwritten)."""

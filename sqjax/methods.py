@@ -333,9 +333,9 @@ class SnapKV(BudgetMethod):
 
     def check_length(self, length: int) -> None:
         if length <= self.window:   # the window's queries vote on the keys before it
-            raise ValueError(f"the fixed context (the document in its chat template) has {length} tokens, not more than "
-                             f"SnapKV's observation window of {self.window}: it needs at least {self.window + 1} tokens; "
-                             "give a longer document or a smaller window")
+            raise ValueError(f"the fixed context (the document and any chat template around it) has {length} tokens, "
+                             f"not more than SnapKV's observation window of {self.window}: it needs at least "
+                             f"{self.window + 1} tokens; give a longer document or a smaller window")
 
     def build(self, data: ContextData):
         if data.q_obs.shape[2] < self.window:

@@ -484,10 +484,10 @@ class SqueezedConfig:
             raise ValueError(f"{label} cannot index a {length}-token fixed context ({lc} clustered keys): {why}; "
                              "change n_centroids, centroid_fraction or level1_fraction") from None
         raise ValueError(
-            f"the fixed context (the document in its chat template) has {length} tokens, too few for {label}: it attends "
-            f"the first n_sink = {self.n_sink} and the last n_obs = {self.n_obs} tokens exactly and clusters the rest, "
-            f"and {why}; it needs at least {exact + longer} tokens. Give a longer document, a smaller n_obs, or a "
-            "method that keeps every key (full)"
+            f"the fixed context (the document and any chat template around it) has {length} tokens, too few for "
+            f"{label}: it attends the first n_sink = {self.n_sink} and the last n_obs = {self.n_obs} tokens exactly "
+            f"and clusters the rest, and {why}; it needs at least {exact + longer} tokens. Give a longer document, a "
+            "smaller n_obs, or a method that keeps every key (full)"
         ) from None
 
     def _clusters_fit(self, n_clustered: int) -> bool:

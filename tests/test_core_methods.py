@@ -498,8 +498,9 @@ def test_hierarchical_settings_that_fit_no_longer_context_say_so():
     message asks for other settings, not a longer document."""
     m = HierarchicalSqueezed(n_centroids=3, level1_fraction=0.5)
     m.check_length(103)   # 3 clustered keys: 3 level-2 over round(1.5) = 2 level-1 clusters
-    with pytest.raises(ValueError, match=r"cannot index a 131-token fixed context \(31 clustered keys\): level-1 "
-                                         r"clusters \(16\) must be fewer than level-2 clusters \(3\); change n_centroids"):
+    want = (r"cannot index a 131-token fixed context \(31 clustered keys\): level-1 clusters \(16\) must be fewer "
+            r"than level-2 clusters \(3\); change n_centroids")
+    with pytest.raises(ValueError, match=want):
         m.check_length(131)
 
 

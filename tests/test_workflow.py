@@ -477,6 +477,30 @@ def test_save_is_atomic(full_ctx, tmp_path, monkeypatch):
         ctx.save(tmp_path / "no" / "dir" / "x.sqx")
 
 
+def test_figures_are_written_atomically(tmp_path):
+    """`write_figure_atomic` (every plot of the benchmarks and the classifier's report): the format
+    follows the name, not the temporary file's; a failed savefig leaves the old file and no temp file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sqjax.index_io import write_figure_atomic
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    write_figure_atomic(fig, tmp_path / "a.png", dpi=50)
+    write_figure_atomic(fig, tmp_path / "a.svg")
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "a.svg").read_bytes()[:1000]
+    before = (tmp_path / "a.png").read_bytes()
+    with pytest.raises(OSError, match="could not write .*a.png.*it is unchanged"):
+        write_figure_atomic(fig, tmp_path / "a.png", dpi=50, bbox_inches="no such setting")
+    plt.close(fig)
+    assert (tmp_path / "a.png").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["a.png", "a.svg"], "no temp file left behind"
+
+
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["one_level", "hierarchical"])
 def test_fused_clustered_decode_path_equals_reference(model, hierarchical):
     """The GPU decode path (cluster-contiguous layout + fused Pallas kernel, run here in the

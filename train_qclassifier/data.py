@@ -50,20 +50,11 @@ def _quiet(_msg: str) -> None:
 
 
 def save_json_atomic(path: Path, obj: Any) -> None:
+    from sqjax.index_io import write_text_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 def load_array(path: Path, mmap: bool = False) -> np.ndarray:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train_qclassifier.classifier import TrainedClassifier, bucket_distribution
+from sqjax.index_io import write_figure_atomic, write_text_atomic
 from train_qclassifier.data import load_array, save_json_atomic
 from train_qclassifier.targets import long_range_mask, query_stats, rope_heads
 
@@ -233,7 +234,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -243,8 +244,6 @@ def write_report(res: dict[str, Any], out_dir: str | Path, stem: str = "eval",
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
     save_json_atomic(paths["json"], json.loads(json.dumps(res, default=float)))
-    tmp = paths["md"].with_suffix(".md.tmp")
-    tmp.write_text(markdown_table(res, title))
-    tmp.replace(paths["md"])
+    write_text_atomic(paths["md"], markdown_table(res, title))
     plot(res, paths["png"])
     return paths
