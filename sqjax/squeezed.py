@@ -471,31 +471,28 @@ class SqueezedConfig:
         context leaves nothing to cluster: its first n_sink and last n_obs tokens are attended
         exactly and the rest (Lc keys) are clustered into `n_clusters(Lc)` clusters."""
         exact = self.n_obs + self.n_sink
-        try:
-            if length - exact < 1:
-                raise ValueError("no key is left to cluster")
-            self.n_clusters(length - exact)
-            return
-        except ValueError as e:
-            why = str(e)
         lc = length - exact
-        longer = next((n for n in range(max(lc + 1, 1), 1 << 18) if self._clusters_fit(n)), None)
+        why = "no key is left to cluster" if lc < 1 else self._clustering_error(lc)
+        if why is None:
+            return
+        longer = next((n for n in range(max(lc + 1, 1), 1 << 18) if self._clustering_error(n) is None), None)
         if longer is None:   # only a fixed n_centroids can fail for every longer context
             raise ValueError(f"{label} cannot index a {length}-token fixed context ({lc} clustered keys): {why}; "
-                             "change n_centroids, centroid_fraction or level1_fraction") from None
+                             "change n_centroids, centroid_fraction or level1_fraction")
         raise ValueError(
             f"the fixed context (the document and any chat template around it) has {length} tokens, too few for "
             f"{label}: it attends the first n_sink = {self.n_sink} and the last n_obs = {self.n_obs} tokens exactly "
             f"and clusters the rest, and {why}; it needs at least {exact + longer} tokens. Give a longer document, a "
             "smaller n_obs, or a method that keeps every key (full)"
-        ) from None
+        )
 
-    def _clusters_fit(self, n_clustered: int) -> bool:
+    def _clustering_error(self, n_clustered: int) -> str | None:
+        """Why `n_clusters(n_clustered)` fails, or None."""
         try:
             self.n_clusters(n_clustered)
-            return True
-        except ValueError:
-            return False
+        except ValueError as e:
+            return str(e)
+        return None
 
 
 @jax.tree_util.register_dataclass
