@@ -5,10 +5,9 @@ import sqjax.squeezed as sq
 meth = sys.argv[1]
 if meth != "default":
     sq.search_method = lambda: meth
-from sqjax.cli import DEMO_QUESTIONS
 m = sqjax.load_model("smollm2-135m")
 import glob
-doc = open(sorted(glob.glob("/work/main/benchmarks/data/*.txt"))[0]).read()
+doc = open(sorted(glob.glob("benchmarks/data/*.txt"))[0]).read()
 ctx = sqjax.FixedContext.build(m, doc, sqjax.methods.Squeezed(sparsity=0.9, n_sink=1), progress=False)
 q = "What does the method keep in the cache?"
 t = time.perf_counter(); a = ctx.ask(q, max_new_tokens=24); t1 = time.perf_counter() - t
