@@ -472,7 +472,8 @@ class SqueezedConfig:
         exactly and the rest (Lc keys) are clustered into `n_clusters(Lc)` clusters."""
         exact = self.n_obs + self.n_sink
         lc = length - exact
-        why = "no key is left to cluster" if lc < 1 else self._clustering_error(lc)
+        why = (f"it is not longer than the exact sink + tail ({self.n_sink} + {self.n_obs})" if lc < 1
+               else self._clustering_error(lc))
         if why is None:
             return
         longer = next((n for n in range(max(lc + 1, 1), 1 << 18) if self._clustering_error(n) is None), None)
@@ -483,7 +484,7 @@ class SqueezedConfig:
             f"the fixed context (the document and any chat template around it) has {length} tokens, too few for "
             f"{label}: it attends the first n_sink = {self.n_sink} and the last n_obs = {self.n_obs} tokens exactly "
             f"and clusters the rest, and {why}; it needs at least {exact + longer} tokens. Give a longer document, a "
-            "smaller n_obs, or a method that keeps every key (full)"
+            "smaller n_obs or n_sink, or a method that keeps every key (full)"
         )
 
     def _clustering_error(self, n_clustered: int) -> str | None:
@@ -534,12 +535,8 @@ def cluster_fixed_context(k: jax.Array, cfg: SqueezedConfig) -> SqueezedLayerInd
 
     check_rank("k", k, 4, "[layers, Hkv, L, d]")
     n_layers, hkv, length, d = k.shape
+    cfg.check_length(length)
     lc = length - cfg.n_obs - cfg.n_sink
-    if lc < 1:
-        raise ValueError(
-            f"fixed context of {length} tokens is not longer than the exact sink + tail ({cfg.n_sink} + {cfg.n_obs}); "
-            "use a longer document or a smaller n_sink (`--n-sink`)"
-        )
     c2, c1 = cfg.n_clusters(lc)
     # Layers are clustered in groups whose similarity blocks stay under ~1 GB (heads vmapped); a single
     # layer's block [Hkv, chunk, C2] stays under 4 GiB by a shorter chunk of keys (`assign_chunk`).
