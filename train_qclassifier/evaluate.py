@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train_qclassifier.classifier import TrainedClassifier, bucket_distribution
 from sqjax.index_io import write_figure_atomic, write_text_atomic
+from train_qclassifier.classifier import TrainedClassifier, bucket_distribution
 from train_qclassifier.data import load_array, save_json_atomic
 from train_qclassifier.targets import long_range_mask, query_stats, rope_heads
 
