@@ -15,18 +15,26 @@ from pathlib import Path
 import jax
 
 
-def git_commit() -> str:
-    """SQJAX_GIT_COMMIT (set by whoever ships the tree to a machine without .git), else git, else 'uncommitted'."""
+def git_commit(root: Path | None = None) -> str:
+    """SQJAX_GIT_COMMIT (set by whoever ships the tree to a machine without .git), else the commit of
+    the sqjax checkout this package is in (``-dirty`` with uncommitted changes to tracked files), else
+    'uncommitted'. ``root``: the folder holding ``benchmarks/`` (default: this file's). An installed
+    package is no checkout: a repository around site-packages (a project's own .venv) is not sqjax's."""
     env = os.environ.get("SQJAX_GIT_COMMIT")
     if env:
         return env
-    root = Path(__file__).resolve().parent.parent
+    root = (Path(__file__).resolve().parent.parent if root is None else Path(root)).resolve()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        sha = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or Path(top).resolve() != root:
+            return "uncommitted"
+        sha = git("rev-parse", "--verify", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
         return "uncommitted"
     if len(sha) != 40:
         return "uncommitted"

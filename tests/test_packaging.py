@@ -63,3 +63,24 @@ def test_wheel_installs_every_module_and_data_file(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines() == ["True", "['paper:quest', 'paper:snapkv']", "True"], r.stdout
+
+
+def test_benchmark_commit_is_the_sqjax_checkouts_only(tmp_path, monkeypatch):
+    """Benchmark JSON's git_commit: this checkout's HEAD here; for a package installed in a project's
+    own repository (its .venv), not the project's commit."""
+    from benchmarks._meta import git_commit
+
+    monkeypatch.delenv("SQJAX_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert git_commit().removesuffix("-dirty") == head == git_commit(ROOT).removesuffix("-dirty")
+
+    project, site = tmp_path / "project", tmp_path / "project/.venv/lib/python3.12/site-packages"
+    site.mkdir(parents=True)
+    (project / "app.py").write_text("print('hi')\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for args in (["init", "-q"], ["add", "app.py"], ["commit", "-qm", "project"]):
+        subprocess.run(git + args, cwd=project, check=True, capture_output=True)
+    assert git_commit(site) == "uncommitted"
+    monkeypatch.setenv("SQJAX_GIT_COMMIT", "abc123")
+    assert git_commit(site) == "abc123"
