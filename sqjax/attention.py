@@ -38,14 +38,43 @@ def expand_heads(x: jax.Array, n_heads: int) -> jax.Array:
     return jnp.repeat(x, n_heads // h, axis=0)
 
 
+# f32 scores of one call above this many bytes are taken over key chunks with a running softmax
+# (`attend_partial`): a 2048-token question block over a 128K fixed context with 32 query heads would
+# otherwise hold 34 GB of scores per layer (70 GB of temporaries, measured with XLA's memory analysis)
+SCORE_BYTES = 1 << 29
+
+
+def key_chunk(n_rows: int, n_keys: int, score_bytes: int | None = None) -> int:
+    """Keys per chunk so that `n_rows` query rows' f32 scores fit in `score_bytes` (default
+    `SCORE_BYTES`, read when called; at least 512, a multiple of 512; `n_keys` itself when all of
+    them fit)."""
+    budget = SCORE_BYTES if score_bytes is None else score_bytes
+    c = max(512, budget // max(4 * n_rows, 1) // 512 * 512)
+    return n_keys if c >= n_keys else c
+
+
+def _finish(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A running softmax's (max, sum, unnormalised output) -> (o, lse); o = 0, lse = −inf where no
+    key was visible."""
+    seen = l > 0
+    o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return o, lse
+
+
 def attend_partial(
     q: jax.Array,      # [Hq, T, d]
     k: jax.Array,      # [Hkv, S, d]
     v: jax.Array,      # [Hkv, S, d]
     mask: jax.Array | None,  # [Hm, Tm, S] bool, Hm ∈ {1, Hkv, Hq}, Tm ∈ {1, T}; None = all visible
     scale: float,
+    *,
+    chunk: int | None = None,  # keys per step of the running softmax; None: `key_chunk` (all at once if they fit)
 ) -> Partial:
-    """Softmax attention of each query over the visible keys of one set (f32)."""
+    """Softmax attention of each query over the visible keys of one set (f32).  When the scores of
+    all keys at once would pass `SCORE_BYTES`, the keys are taken `chunk` at a time with
+    Flash-Attention's running max and sum: the same result up to f32 rounding, memory bounded by
+    the chunk."""
     check_rank("q", q, 3, "[Hq, T, d]")
     check_rank("k", k, 3, "[Hkv, S, d]")
     check_rank("v", v, 3, "[Hkv, S, d]")
@@ -61,9 +90,14 @@ def attend_partial(
         if mask.shape[0] not in (1, hkv, hq) or mask.shape[1] not in (1, t):
             raise ValueError(f"mask must have shape [H, T, S] with H in (1, Hkv={hkv}, Hq={hq}) and T in (1, {t}); "
                              f"got mask {shape_of(mask)}, q {shape_of(q)}, k {shape_of(k)}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}")
     if s == 0:  # no key at all: nothing visible
         return Partial(jnp.zeros((hq, t, d), jnp.float32), jnp.full((hq, t), -jnp.inf, jnp.float32))
     qg = q.astype(jnp.float32).reshape(hkv, g, t, d)
+    chunk = min(key_chunk(hq * t, s) if chunk is None else chunk, s)
+    if chunk < s:
+        return _attend_chunked(qg, k, v, mask, scale, chunk)
     scores = jnp.einsum("kgtd,ksd->kgts", qg, k.astype(jnp.float32)) * scale
     if mask is not None:
         m = expand_heads(mask, hq).reshape(hkv, g, mask.shape[1], s)
@@ -74,6 +108,36 @@ def attend_partial(
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("kgts,ksd->kgtd", p, v.astype(jnp.float32)) / jnp.maximum(denom, 1e-30)
     lse = jnp.where(denom[..., 0] > 0, mx_safe[..., 0] + jnp.log(jnp.maximum(denom[..., 0], 1e-30)), -jnp.inf)
+    return Partial(o.reshape(hq, t, d), lse.reshape(hq, t))
+
+
+def _attend_chunked(qg, k, v, mask, scale, chunk: int) -> Partial:
+    """`attend_partial` over key chunks [start, start + chunk): the last chunk starts at S − chunk
+    (no padded copy of K/V) and sees only the keys no earlier chunk took."""
+    from models.attention import online_softmax_step  # lazily: `models` pulls in flax
+
+    hkv, g, t, d = qg.shape
+    s = k.shape[1]
+    hq = hkv * g
+
+    def step(i, carry):
+        m, l, acc = carry                                                   # [Hkv, g, T], .., [Hkv, g, T, d]
+        start = jnp.minimum(i * chunk, s - chunk)
+        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1).astype(jnp.float32)
+        vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1).astype(jnp.float32)
+        sc = jnp.einsum("kgtd,kcd->kgtc", qg, kc) * scale                   # [Hkv, g, T, chunk]
+        new = (start + jnp.arange(chunk)) >= i * chunk                      # keys an earlier chunk did not take
+        if mask is None:
+            vis = new[None, None, None, :]
+        else:
+            mc = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=2)
+            vis = expand_heads(mc, hq).reshape(hkv, g, mask.shape[1], chunk) & new
+        sc = jnp.where(vis, sc, -jnp.inf)
+        return online_softmax_step(m, l, acc, sc, lambda p: jnp.einsum("kgtc,kcd->kgtd", p, vc))
+
+    zero = jnp.zeros((hkv, g, t), jnp.float32)
+    m, l, acc = jax.lax.fori_loop(0, -(-s // chunk), step, (zero - jnp.inf, zero, jnp.zeros((hkv, g, t, d), jnp.float32)))
+    o, lse = _finish(m, l, acc)
     return Partial(o.reshape(hq, t, d), lse.reshape(hq, t))
 
 
@@ -179,9 +243,7 @@ def retrieved_attention(
     zero = jnp.zeros((hs, r * t), jnp.float32)
     n_live = (jnp.max(cnt, initial=0) + chunk - 1) // chunk                      # chunks holding a valid row
     m, l, acc = jax.lax.fori_loop(0, n_live, step, (zero - jnp.inf, zero, jnp.zeros((hs, r * t, d), jnp.float32)))
-    seen = l > 0
-    o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    o, lse = _finish(m, l, acc)
     fixed = Partial(o.reshape(hq, t, d), lse.reshape(hq, t))
     empty = (kv_pos < 0)[None, :, None]                                          # slots never written: not read
     new = attend_partial(q, jnp.where(empty, 0, k_new), jnp.where(empty, 0, v_new), causal_mask(q_pos, kv_pos), scale)

@@ -51,6 +51,52 @@ def test_nothing_visible_gives_zero_not_nan():
     assert not np.isnan(np.asarray(m.o)).any()
 
 
+@pytest.mark.parametrize("hm,tm", [(None, None), (1, 1), ("kv", "t"), ("q", "t"), ("q", 1)])
+def test_attention_over_key_chunks_equals_all_keys_at_once(rng, hm, tm):
+    """The running softmax over key chunks (long fixed contexts) gives what all keys at once give:
+    ragged last chunk, a mask per KV head / query head / shared, queries and whole heads that
+    see no key of the set, bf16 keys."""
+    hq, hkv, t, d = 6, 2, 5, 8
+    s = int(rng.integers(700, 1300))                      # chunks of 256 / 512: a ragged last one
+    q = jnp.asarray(rng.normal(size=(hq, t, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    mask = None
+    if hm is not None:
+        h = {1: 1, "kv": hkv, "q": hq}[hm]
+        m = rng.random((h, t if tm == "t" else 1, s)) < rng.uniform(0.01, 0.3)
+        m[0] = False                                      # a head (or all) sees nothing here
+        if tm == "t":
+            m[-1, -1, :] = False                          # one query of the last head sees nothing
+            m[-1, 0, -3:] = True                          # and one sees the ragged tail
+        mask = jnp.asarray(m)
+    want = attend_partial(q, k, v, mask, 0.3, chunk=s)
+    for chunk in (256, 512):
+        got = attend_partial(q, k, v, mask, 0.3, chunk=chunk)
+        np.testing.assert_allclose(np.asarray(got.o), np.asarray(want.o), rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(got.lse), np.asarray(want.lse), rtol=2e-6, atol=2e-6)
+        assert np.array_equal(np.isneginf(np.asarray(got.lse)), np.isneginf(np.asarray(want.lse)))
+    if mask is not None and hm != 1:
+        assert np.isneginf(np.asarray(want.lse)).any() and np.all(np.asarray(want.o)[0] == 0)
+    with pytest.raises(ValueError, match="chunk must be >= 1; got 0"):
+        attend_partial(q, k, v, mask, 0.3, chunk=0)
+
+
+def test_long_context_block_attention_memory_is_bounded():
+    """A 2048-token question block over a 128K fixed context (Llama-3-8B heads, a QUEST-style
+    per-token mask) compiles to < 3 GB of temporaries: all keys at once needed ~70 GB."""
+    from sqjax.attention import SCORE_BYTES, key_chunk
+
+    hq, hkv, t, length, d = 32, 8, 2048, 131072, 128
+    assert key_chunk(hq * t, length) == 2048 and key_chunk(hq * 16, length) == length
+    bf, i32 = jnp.bfloat16, jnp.int32
+    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in
+            [((hq, t, d), bf), ((hkv, length, d), bf), ((hkv, length, d), bf), ((hkv, t, length), jnp.bool_),
+             ((hkv, t, d), bf), ((hkv, t, d), bf), ((t,), i32), ((t,), i32)]]
+    fn = jax.jit(lambda *a: fixed_context_attention(*a, 0.088))
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 3e9 and temp < 6 * SCORE_BYTES, temp
+
+
 def test_attention_shape_errors():
     with pytest.raises(ValueError, match=r"q must have shape \[Hq, T, d\]"):
         attend_partial(jnp.zeros((2, 4)), jnp.zeros((1, 3, 4)), jnp.zeros((1, 3, 4)), None, 1.0)
