@@ -53,8 +53,13 @@ def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, vote: str = "kv"
     hq, t, d = q.shape
     hkv = kmin.shape[0]
     g = check_gqa(hq, hkv)
-    qg = q.astype(jnp.float32).reshape(hkv, g, t, 1, d)
-    u = jnp.sum(jnp.maximum(qg * kmax[:, None, None], qg * kmin[:, None, None]), axis=-1)  # [Hkv,g,T,P]
+    # M_d >= m_d, so max(q_d M_d, q_d m_d) = max(q_d, 0) M_d + min(q_d, 0) m_d term by term: two f32
+    # matmuls. The element-wise form's [Hkv, g, T, P, d] reduction took XLA's GPU compiler over 5
+    # minutes for a 128-token block over 128K (benchmarks/results/gpu_h200_mask_chunks/)
+    qg = q.astype(jnp.float32).reshape(hkv, g, t, d)
+    hi = jax.lax.Precision.HIGHEST   # f32, not TF32: the bound ranks pages
+    u = (jnp.einsum("kgtd,kpd->kgtp", jnp.maximum(qg, 0.0), kmax.astype(jnp.float32), precision=hi)
+         + jnp.einsum("kgtd,kpd->kgtp", jnp.minimum(qg, 0.0), kmin.astype(jnp.float32), precision=hi))  # [Hkv,g,T,P]
     return jnp.max(u, axis=1) if vote == "kv" else u.reshape(hq, t, -1)
 
 
