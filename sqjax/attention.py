@@ -39,10 +39,9 @@ def expand_heads(x: jax.Array, n_heads: int) -> jax.Array:
 
 
 # f32 scores of one call above this many bytes are taken over key chunks with a running softmax
-# (`attend_partial`): a 2048-token question block over a 128K fixed context with 32 query heads would
-# otherwise hold 34 GB of scores per layer (69 GB of temporaries on an H200). With 2 GiB its QUEST
-# route holds 5.1 GB and takes 82.8 instead of 72.8 ms; a 128-token block still takes every key at
-# once (512 MiB: 85.6 ms, and 5.9 instead of 5.1 ms at 128 tokens; benchmarks/results/gpu_h200_mask_chunks/)
+# (`attend_partial`). All at once, a 2048-token question block over a 128K fixed context with 32
+# query heads holds 69 GB of temporaries per layer; in 2 GiB chunks 5.1 GB, at 82.8 instead of
+# 72.8 ms on an H200. A 128-token block's scores fit (benchmarks/results/gpu_h200_mask_chunks/).
 SCORE_BYTES = 1 << 31
 
 
