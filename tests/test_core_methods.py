@@ -64,7 +64,10 @@ def test_attention_over_key_chunks_equals_all_keys_at_once(rng, hm, tm):
     if hm is not None:
         h = {1: 1, "kv": hkv, "q": hq}[hm]
         m = rng.random((h, t if tm == "t" else 1, s)) < rng.uniform(0.01, 0.3)
-        m[0] = False                                      # a head (or all) sees nothing here
+        if h > 1:
+            m[0] = False                                  # a head sees nothing here
+        else:
+            m[..., -1] = True                             # the shared mask sees the ragged tail's last key
         if tm == "t":
             m[-1, -1, :] = False                          # one query of the last head sees nothing
             m[-1, 0, -3:] = True                          # and one sees the ragged tail
@@ -77,6 +80,8 @@ def test_attention_over_key_chunks_equals_all_keys_at_once(rng, hm, tm):
         assert np.array_equal(np.isneginf(np.asarray(got.lse)), np.isneginf(np.asarray(want.lse)))
     if mask is not None and hm != 1:
         assert np.isneginf(np.asarray(want.lse)).any() and np.all(np.asarray(want.o)[0] == 0)
+    else:
+        assert np.isfinite(np.asarray(want.lse)).all()
     with pytest.raises(ValueError, match="chunk must be >= 1; got 0"):
         attend_partial(q, k, v, mask, 0.3, chunk=0)
 
